@@ -1,0 +1,1 @@
+"""The agent team on one base model."""

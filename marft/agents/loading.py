@@ -1,0 +1,75 @@
+"""Loading the ONE base model and its tokenizer."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from marft.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` → cuda when available, else cpu."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def looks_like_local_path(name: str) -> bool:
+    """A name that can only mean a local directory: absolute, relative, home-based, or deeper than ``org/name``."""
+    return name.startswith((".", "/", "~")) or name.count("/") >= 2
+
+
+def check_model_path(name: str) -> None:
+    """Fail with one clear line when a local model directory is missing (before anything is loaded)."""
+    from marft.models.tiny import TINY_MODEL_NAME
+
+    if name == TINY_MODEL_NAME:
+        return
+    path = os.path.expanduser(name)
+    if looks_like_local_path(name) and not os.path.isdir(path):
+        raise FileNotFoundError(
+            f"model directory {name!r} does not exist; pass --model_name_or_path with a local Hugging Face "
+            f"model folder, a hub name, or {TINY_MODEL_NAME!r} for the embedded tiny model"
+        )
+
+
+def resolve_model_path(name: str) -> str:
+    """The embedded tiny model is built (once) and cached; anything else is passed to Hugging Face."""
+    from marft.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+
+    check_model_path(name)
+    return ensure_tiny_model() if name == TINY_MODEL_NAME else os.path.expanduser(name)
+
+
+def load_base_model(config: ModelConfig):
+    """Load the base causal LM and tokenizer once, frozen and in eval mode.
+
+    Returns ``(model, tokenizer)``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(config.model_name_or_path)
+    device = resolve_device(config.device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+        )
+    except OSError as error:
+        raise OSError(
+            f"could not load model {config.model_name_or_path!r}: {error}. Pass a local model folder with "
+            "--model_name_or_path (no model hub is reachable offline)"
+        ) from error
+    model.to(device)
+    model.eval()
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer of {path!r} has no EOS token; agents could never stop replying")
+    logger.info("loaded %s (%.1fM parameters) on %s", path, sum(p.numel() for p in model.parameters()) / 1e6, device)
+    return model, tokenizer

@@ -1,0 +1,265 @@
+"""The agent team: ONE base causal LM, one LoRA adapter per agent, and a critic.
+
+All agents and the critic share the same frozen base weights; each agent owns a
+LoRA adapter (or all share one with ``shared_lora``), and the centralized critic
+owns its own LoRA adapter plus a linear value head on the last hidden state.
+Memory therefore grows with the number of agents only by their adapters.
+
+Tensor layout used throughout (B = batch of prompts, P = prompt length,
+L = reply length, V = vocabulary):
+
+* prompts are LEFT-padded: ``prompt_ids (B, P)``, ``prompt_mask (B, P)``;
+* replies are RIGHT-padded: ``response_ids (B, L)``, ``response_mask (B, L)``;
+  a reply's mask covers its tokens up to and including the first EOS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+from peft import LoraConfig, get_peft_model
+from transformers import GenerationConfig
+
+from marft.config import ModelConfig
+from marft.prompting import build_prompt
+
+CRITIC_ADAPTER = "critic"
+SHARED_ADAPTER = "shared"
+
+
+def adapter_name_for(role: str) -> str:
+    """A peft-safe adapter name for a role ("Agent 1" → "agent_1")."""
+    name = re.sub(r"[^0-9a-zA-Z_]+", "_", role.strip()).strip("_").lower()
+    return name or "agent"
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pad-aware positions: the first real token of each row gets position 0. (B, S) → (B, S)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def reply_mask(response_ids: torch.Tensor, eos_id: int, generated: int) -> torch.Tensor:
+    """1 for each reply token up to and including the first EOS, within the ``generated`` first columns. (B, L) → (B, L)."""
+    is_eos = (response_ids == eos_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before each position
+    mask = (eos_before == 0).long()
+    mask[:, generated:] = 0
+    return mask
+
+
+@dataclass
+class TurnOutput:
+    """What one agent produced for a batch of prompts in one turn."""
+
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor  # (B, P)
+    response_ids: torch.Tensor  # (B, L) right-padded, L = max_new_tokens
+    response_mask: torch.Tensor  # (B, L)
+    logprobs: torch.Tensor  # (B, L) token log-probs of the sampled ids under the sampling distribution
+    values: torch.Tensor  # (B,) critic value of the prompt
+    texts: list[str]  # decoded replies, stripped
+
+
+class AgentTeam(nn.Module):
+    """Agents acting in profile order on a shared conversation, plus a centralized critic.
+
+    Args:
+        base_model: a Hugging Face causal LM (its weights stay frozen).
+        tokenizer: its tokenizer; a missing pad token falls back to EOS.
+        profile: one ``AgentSpec`` (role, prompt, with_answer) per agent.
+        config: the model section of the run config.
+    """
+
+    def __init__(self, base_model, tokenizer, profile: Sequence, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.profile = list(profile)
+        self.tokenizer = tokenizer
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        roles = [adapter_name_for(spec.role) for spec in self.profile]
+        if len(set(roles)) != len(roles) or CRITIC_ADAPTER in roles:
+            roles = [f"agent{i}_{r}" for i, r in enumerate(roles)]
+        self.agent_adapters = [SHARED_ADAPTER] * len(roles) if config.shared_lora else roles
+        self.policy_adapters = list(dict.fromkeys(self.agent_adapters))
+
+        target = config.lora_target_modules
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=target if target == "all-linear" else [t.strip() for t in target.split(",")],
+            task_type="CAUSAL_LM",
+        )
+        for p in base_model.parameters():
+            p.requires_grad_(False)
+        self.model = get_peft_model(base_model, lora, adapter_name=self.policy_adapters[0])
+        for name in self.policy_adapters[1:] + [CRITIC_ADAPTER]:
+            self.model.add_adapter(name, lora)
+        hidden = base_model.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
+        nn.init.normal_(self.value_head.weight, std=1.0 / hidden)
+        nn.init.zeros_(self.value_head.bias)
+        self.generation_config = GenerationConfig(
+            do_sample=True,
+            temperature=config.temperature,
+            top_k=config.top_k,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            max_new_tokens=config.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+        )
+        self.header_ids = [self._encode(self._header(i)) for i in range(len(self.profile))]
+        self.max_prompt_len = config.context_window - config.max_new_tokens
+        for spec, ids in zip(self.profile, self.header_ids):
+            if len(ids) >= self.max_prompt_len:
+                raise ValueError(
+                    f"the role header of {spec.role!r} is {len(ids)} tokens, more than the prompt budget "
+                    f"({self.max_prompt_len} = --context_window - --max_new_tokens); raise --context_window"
+                )
+        self.set_active(None)
+
+    # ------------------------------------------------------------------ parameters
+    @property
+    def device(self) -> torch.device:
+        return self.value_head.weight.device
+
+    @property
+    def n_agents(self) -> int:
+        return len(self.profile)
+
+    def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
+        """The LoRA parameters of one adapter, selected by name (not by ``requires_grad``)."""
+        key = f".{adapter}."
+        return [p for n, p in self.model.named_parameters() if key in n and "lora_" in n]
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        return self.adapter_parameters(CRITIC_ADAPTER) + list(self.value_head.parameters())
+
+    def set_active(self, adapter: str | None, trainable: bool = False) -> None:
+        """Route forward passes through ``adapter``; only its parameters require grad when ``trainable``.
+
+        peft's ``set_adapter`` flips ``requires_grad`` on its own; we reset it explicitly so that
+        exactly the adapter being trained (and nothing else) receives gradients.
+        """
+        if adapter is not None:
+            self.model.set_adapter(adapter)
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(trainable and adapter is not None and f".{adapter}." in name and "lora_" in name)
+        self.value_head.requires_grad_(trainable and adapter == CRITIC_ADAPTER)
+
+    # ------------------------------------------------------------------ prompts
+    def _header(self, agent: int) -> str:
+        header, _ = build_prompt(self.profile[agent].prompt, "", [], self.profile[agent].role)
+        return header
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def encode_prompts(self, agent: int, histories: Sequence[str], earlier_turns: Sequence[list[tuple[str, str]]]):
+        """Tokenise agent ``agent``'s prompts: role header kept whole, history cut from the left.
+
+        Returns ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, left-padded, P ≤ max_prompt_len.
+        """
+        spec = self.profile[agent]
+        bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
+        header = self.header_ids[agent]
+        budget = self.max_prompt_len - len(header)
+        rows = [header + ids[-budget:] for ids in self.tokenizer(bodies, add_special_tokens=False).input_ids]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[b, width - len(row) :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    # ------------------------------------------------------------------ model calls
+    def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution's logits: divided by the temperature, top-k applied. (..., V) → (..., V)."""
+        logits = logits.float() / self.config.temperature
+        if self.config.top_k > 0:
+            kth = torch.topk(logits, self.config.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, -1e9)
+        return logits
+
+    def response_logprobs(
+        self,
+        adapter: str,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropies) of the given reply tokens under ``adapter``'s policy.
+
+        Args: prompt (B, P) left-padded, response (B, L) right-padded.
+        Returns: ``logprobs (B, L)`` and ``entropy (B, L)`` (or None), zero where the reply is padding.
+        Only the L + 1 last positions' logits are materialised.
+        """
+        self.model.set_adapter(adapter)
+        L = response_ids.shape[1]
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
+        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P + L)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            logits_to_keep=L + 1,
+            use_cache=False,
+        )
+        logits = self.masked_logits(out.logits[:, :-1])  # (B, L, V): position P-1+t predicts response token t
+        logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
+        logprobs = logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) * response_mask  # (B, L)
+        entropy = None
+        if with_entropy:
+            entropy = -(logp_all.exp() * logp_all).sum(-1) * response_mask  # (B, L)
+        return logprobs, entropy
+
+    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+        """Centralized critic: V(prompt) from the last prompt token's hidden state. (B, P) → (B,)."""
+        self.model.set_adapter(CRITIC_ADAPTER)
+        decoder = self.model.get_base_model().get_decoder()
+        hidden = decoder(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=position_ids_from_mask(prompt_mask),
+            use_cache=False,
+        ).last_hidden_state  # (B, P, H)
+        return self.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
+
+    @torch.no_grad()
+    def generate(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """Sample replies. Returns ``response_ids (B, max_new_tokens)`` and ``response_mask`` (through the first EOS)."""
+        self.model.set_adapter(adapter)
+        B, P = prompt_ids.shape
+        sequences = self.model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+        )
+        response = sequences[:, P:]  # (B, L')
+        response_ids = torch.full((B, self.config.max_new_tokens), self.pad_id, dtype=torch.long, device=prompt_ids.device)
+        response_ids[:, : response.shape[1]] = response
+        return response_ids, reply_mask(response_ids, self.eos_id, response.shape[1])
+
+    @torch.no_grad()
+    def act(self, agent: int, histories: Sequence[str], earlier_turns: Sequence[list[tuple[str, str]]]) -> TurnOutput:
+        """Agent ``agent`` replies to every history in the batch: sample, score, value."""
+        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns)
+        values = self.values(prompt_ids, prompt_mask)
+        adapter = self.agent_adapters[agent]
+        response_ids, response_mask = self.generate(adapter, prompt_ids, prompt_mask)
+        logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
+        texts = self.decode(response_ids, response_mask)
+        return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, values, texts)
+
+    def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+        rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]
+        return [t.strip() for t in self.tokenizer.batch_decode(rows, skip_special_tokens=True)]

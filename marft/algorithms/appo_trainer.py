@@ -1,0 +1,169 @@
+"""MARFT-A: action-level multi-agent PPO with a centralized critic.
+
+An agent's whole reply is one action; its log-prob is the (normalised) sum of
+its token log-probs. Each agent's optimizer holds exactly its own adapter's
+parameters, and ``agent_iteration_interval`` trains one agent at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+
+import torch
+
+from marft.agents.team import AgentTeam
+from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
+from marft.config import AlgoConfig
+from marft.runner.shared.buffer import RolloutBuffer, trim_batch
+
+logger = logging.getLogger(__name__)
+
+
+class APPOTrainer:
+    """Owns the optimizers and runs one PPO update per rollout batch."""
+
+    def __init__(self, team: AgentTeam, config: AlgoConfig):
+        self.team = team
+        self.config = config
+        self.policy_optimizers = {
+            adapter: torch.optim.AdamW(team.adapter_parameters(adapter), lr=config.lr, weight_decay=0.0)
+            for adapter in team.policy_adapters
+        }
+        self.critic_optimizer = torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0)
+        self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0}
+
+    # ------------------------------------------------------------------ schedule
+    def agents_to_train(self, iteration: int) -> list[int]:
+        """Agents whose policy is updated at ``iteration`` (0-based): none during critic warm-up,
+        then all agents, or one agent for ``agent_iteration_interval`` iterations each, round-robin."""
+        if iteration < self.config.warmup_steps:
+            return []
+        interval = self.config.agent_iteration_interval
+        if interval == 0:
+            return list(range(self.team.n_agents))
+        return [((iteration - self.config.warmup_steps) // interval) % self.team.n_agents]
+
+    # ------------------------------------------------------------------ update
+    def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
+        """Critic update on every agent turn, then a policy update for each scheduled agent."""
+        metrics = self.update_critic(buffer.critic_samples())
+        for agent in self.agents_to_train(iteration):
+            role = self.team.profile[agent].role
+            for key, value in self.update_policy(agent, buffer.agent_samples(agent)).items():
+                metrics[f"agent_{role}/{key}"] = value
+        self.team.set_active(None)
+        return metrics
+
+    def _minibatches(self, n_samples: int):
+        """Per epoch: shuffled index minibatches, each split into ``gradient_cp_steps`` chunks."""
+        size = math.ceil(n_samples / self.config.num_mini_batch)
+        for indices in torch.randperm(n_samples).split(size):
+            yield indices, indices.chunk(self.config.gradient_cp_steps)
+
+    def _step(self, optimizer, params, loss_ok: bool) -> float:
+        """Clip and apply the accumulated gradient; skip (and count) a non-finite one."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        if not loss_ok or not torch.isfinite(grad_norm):
+            self.counters["skipped_minibatches"] += 1
+            logger.warning("skipped a minibatch with a non-finite loss or gradient (%d so far)", self.counters["skipped_minibatches"])
+            optimizer.zero_grad(set_to_none=True)
+            return float("nan")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def update_policy(self, agent: int, samples: dict[str, torch.Tensor]) -> dict[str, float]:
+        """PPO epochs over one agent's turns. ``samples`` holds tensors with a leading dim of T·E."""
+        cfg, team = self.config, self.team
+        adapter = team.agent_adapters[agent]
+        optimizer = self.policy_optimizers[adapter]
+        params = team.adapter_parameters(adapter)
+        team.set_active(adapter, trainable=True)
+        advantages = samples["advantages"]
+        if cfg.normalize_advantages and advantages.numel() > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        samples = {**samples, "advantages": advantages}
+        n = advantages.shape[0]
+        stats = defaultdict(list)
+        for _ in range(cfg.ppo_epoch):
+            epoch_kl = []
+            for indices, chunks in self._minibatches(n):
+                loss_ok = True
+                for chunk in chunks:
+                    mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
+                    token_logp, token_entropy = team.response_logprobs(
+                        adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
+                    )
+                    mask = mb["response_mask"].float()
+                    new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)
+                    old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)
+                    policy_loss, pstats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
+                    entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+                    loss = (policy_loss - cfg.entropy_coef * entropy) * (len(chunk) / len(indices))
+                    if not torch.isfinite(loss):
+                        loss_ok = False
+                        break
+                    loss.backward()
+                    stats["policy_loss"].append(policy_loss.item())
+                    stats["entropy"].append(entropy.item())
+                    for key, value in pstats.items():
+                        stats[key].append(value.item())
+                    epoch_kl.append(pstats["approx_kl"].item())
+                stats["grad_norm"].append(self._step(optimizer, params, loss_ok))
+            if cfg.target_kl is not None and epoch_kl and sum(epoch_kl) / len(epoch_kl) > cfg.target_kl:
+                self.counters["kl_early_stops"] += 1
+                logger.info("agent %d: approx KL %.4f > target %.4f, remaining epochs skipped", agent, sum(epoch_kl) / len(epoch_kl), cfg.target_kl)
+                break
+        return {key: _nanmean(values) for key, values in stats.items()}
+
+    def update_critic(self, samples: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Value-loss epochs over every agent turn (the centralized critic sees all agents)."""
+        cfg, team = self.config, self.team
+        params = team.critic_parameters()
+        team.set_active("critic", trainable=True)
+        n = samples["returns"].shape[0]
+        stats = defaultdict(list)
+        for _ in range(cfg.ppo_epoch):
+            for indices, chunks in self._minibatches(n):
+                loss_ok = True
+                for chunk in chunks:
+                    mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
+                    values = team.values(mb["prompt_ids"], mb["prompt_mask"])
+                    value_loss = clipped_value_loss(
+                        values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta
+                    )
+                    loss = cfg.value_loss_coef * value_loss * (len(chunk) / len(indices))
+                    if not torch.isfinite(loss):
+                        loss_ok = False
+                        break
+                    loss.backward()
+                    stats["value_loss"].append(value_loss.item())
+                stats["grad_norm"].append(self._step(self.critic_optimizer, params, loss_ok))
+        returns, values = samples["returns"], samples["values"]
+        explained = 1 - (returns - values).var() / returns.var().clamp(min=1e-8)
+        return {
+            "critic/value_loss": _nanmean(stats["value_loss"]),
+            "critic/grad_norm": _nanmean(stats["grad_norm"]),
+            "critic/explained_variance": float(explained),
+        }
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {
+            "policy_optimizers": {a: opt.state_dict() for a, opt in self.policy_optimizers.items()},
+            "critic_optimizer": self.critic_optimizer.state_dict(),
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        for adapter, opt in self.policy_optimizers.items():
+            opt.load_state_dict(state["policy_optimizers"][adapter])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.counters.update(state.get("counters", {}))
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return sum(finite) / len(finite) if finite else float("nan")

@@ -1,0 +1,56 @@
+"""PPO loss terms shared by the trainers. All inputs are 1-D over the minibatch unless noted."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def normalize_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, n_words: torch.Tensor, mode: str) -> torch.Tensor:
+    """An action's log-prob from its tokens' ``(B, L)``: ``sum``, per-token ``token`` mean, or per-``word``. → (B,)."""
+    total = (token_logprobs * mask).sum(-1)
+    if mode == "sum":
+        return total
+    if mode == "token":
+        return total / mask.sum(-1).clamp(min=1)
+    if mode == "word":
+        return total / n_words.clamp(min=1)
+    raise ValueError(f"unknown normalization mode {mode!r}")
+
+
+def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None):
+    """PPO's clipped surrogate (to minimise), plus diagnostics.
+
+    Args: ``new_logp, old_logp, advantages`` of shape (B,) (or any common shape);
+    ``weights`` (same shape) average only over real entries (e.g. token masks).
+    Returns ``(loss, stats)`` with stats ``approx_kl``, ``clip_frac``, ``ratio``.
+    """
+    log_ratio = new_logp - old_logp
+    ratio = torch.exp(log_ratio)
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_param, 1 + clip_param) * advantages)
+    w = torch.ones_like(ratio) if weights is None else weights
+    denom = w.sum().clamp(min=1)
+    loss = -(surrogate * w).sum() / denom
+    with torch.no_grad():
+        stats = {
+            "approx_kl": (((ratio - 1) - log_ratio) * w).sum() / denom,
+            "clip_frac": (((ratio - 1).abs() > clip_param).float() * w).sum() / denom,
+            "ratio": (ratio * w).sum() / denom,
+        }
+    return loss, stats
+
+
+def clipped_value_loss(values, old_values, returns, clip_param: float, use_huber: bool, huber_delta: float, weights=None):
+    """Value loss clipped around the rollout values (``clip_param`` 0 disables clipping), squared or Huber."""
+
+    def error(pred):
+        if use_huber:
+            return F.huber_loss(pred, returns, reduction="none", delta=huber_delta)
+        return 0.5 * (pred - returns) ** 2
+
+    loss = error(values)
+    if clip_param > 0:
+        clipped = old_values + (values - old_values).clamp(-clip_param, clip_param)
+        loss = torch.max(loss, error(clipped))
+    w = torch.ones_like(loss) if weights is None else weights
+    return (loss * w).sum() / w.sum().clamp(min=1)

@@ -1,0 +1,221 @@
+"""The base class of marft environments: a team of text agents taking turns on one task.
+
+One *team step* takes one reply from every agent (in profile order). The
+observation is the shared history as text (see ``marft.prompting``)::
+
+    Problem: <problem>
+    <Role 1>: <reply>          # step 1
+    <Role 2>: <reply>
+    Judge: <feedback>          # only when the episode goes on
+    <Role 1>: <reply>          # step 2
+    ...
+
+Subclasses implement two hooks:
+
+* ``sample_task(options) -> {"problem": str, "answer": str, ...}`` drawing with ``self.np_random``;
+* ``evaluate(state, actions) -> StepOutcome``: per-agent rewards, whether the task is solved,
+  and the judge feedback to show if the episode continues.
+
+``transition(state, actions)`` is a pure function of an immutable ``EpisodeState`` and the
+replies; ``step`` only stores its result. ``state()`` is the global view for a centralized critic.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
+
+from marft.prompting import JUDGE_ROLE, format_problem, format_turn
+
+WIDE_CHARSET = "".join(chr(c) for c in range(0x10000) if not 0xD800 <= c < 0xE000)
+"""Every character of the Unicode Basic Multilingual Plane except surrogates: ASCII with spaces,
+newlines, backslashes and braces, accented/Greek/Cyrillic/CJK letters, math symbols.
+(Characters beyond U+FFFF, e.g. emoji, are outside the declared space; nothing enforces it.)"""
+
+
+@functools.lru_cache(maxsize=None)
+def _text_space_template(max_length: int) -> spaces.Text:
+    return spaces.Text(max_length=max_length, min_length=0, charset=WIDE_CHARSET)
+
+
+def text_space(max_length: int) -> spaces.Text:
+    """A ``Text`` space over ``WIDE_CHARSET`` with lengths ``0..max_length``.
+
+    Building one takes ~0.1 s, so a cached template is shallow-copied (its character
+    tables are shared, read-only) and given its own random generator.
+    """
+    space = copy.copy(_text_space_template(max_length))
+    space.seed()
+    return space
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What ``evaluate`` says about one team step."""
+
+    rewards: tuple[float, ...]
+    """One reward per agent, in profile order."""
+    solved: bool
+    """The task is done; the episode terminates."""
+    feedback: str = ""
+    """Judge text appended to the history when the episode goes on ("" for none)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Extra entries for the step's ``info`` (e.g. ``correct``)."""
+
+
+@dataclass(frozen=True)
+class EpisodeState:
+    """Where an episode stands; immutable, so ``transition`` cannot change its input."""
+
+    problem: str
+    """The task text."""
+    answer: str
+    """The hidden reference answer (never shown to the agents)."""
+    history: str
+    """The observation: problem line plus all finished turns."""
+    step: int = 0
+    """Team steps taken so far."""
+    terminated: bool = False
+    """The last step solved the task."""
+    truncated: bool = False
+    """The last step used up the horizon without solving the task."""
+    outcome: StepOutcome | None = None
+    """``evaluate``'s verdict on the last step (``None`` right after reset)."""
+
+    @property
+    def done(self) -> bool:
+        """The episode is over (terminated or truncated)."""
+        return self.terminated or self.truncated
+
+
+class MultiAgentTextEnv(gym.Env):
+    """A gymnasium env whose action is a tuple of ``n_agents`` replies and whose observation is text.
+
+    Args:
+        roles: the agents' role names, in speaking order.
+        horizon: team steps (attempts) per episode; the episode terminates after the last one.
+    """
+
+    metadata = {"render_modes": []}
+    max_observation_length = 1 << 22
+    """Declared bound on the history length (characters)."""
+    max_action_length = 1 << 17
+    """Declared bound on one reply's length (characters)."""
+
+    def __init__(self, roles: Sequence[str], horizon: int = 1):
+        if not roles:
+            raise ValueError("an environment needs at least one agent role")
+        if horizon < 1:
+            raise ValueError(f"horizon must be >= 1, got {horizon}")
+        self.roles: tuple[str, ...] = tuple(roles)
+        self.n_agents: int = len(self.roles)
+        self.horizon: int = int(horizon)
+        self.observation_space = text_space(self.max_observation_length)
+        action_text = text_space(self.max_action_length)
+        self.action_space = spaces.Tuple([action_text] * self.n_agents)
+        self.episode: EpisodeState | None = None
+
+    # ---- hooks for subclasses
+
+    def sample_task(self, options: dict | None) -> dict:
+        """Pick a task with ``self.np_random`` (or as ``options`` says).
+
+        Returns:
+            dict: ``{"problem": str, "answer": str}``; other keys go into the reset ``info``.
+        """
+        raise NotImplementedError
+
+    def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
+        """Judge the team's replies ``actions`` to ``state`` (must not modify ``state``).
+
+        Returns:
+            StepOutcome: per-agent rewards, whether the task is solved, the judge feedback.
+        """
+        raise NotImplementedError
+
+    # ---- pure state functions
+
+    def initial_state(self, task: dict) -> EpisodeState:
+        """The state at the start of an episode on ``task``."""
+        problem = str(task["problem"])
+        return EpisodeState(problem=problem, answer=str(task["answer"]), history=format_problem(problem))
+
+    def transition(self, state: EpisodeState, actions: Sequence[str]) -> EpisodeState:
+        """The state after the team replies ``actions`` in ``state``.
+
+        Pure: ``state`` is immutable, and nothing random is drawn.
+
+        Returns:
+            EpisodeState: history extended by every agent's turn (and judge feedback when the
+            episode goes on), ``step + 1``, the terminated/truncated flags and the outcome.
+        """
+        actions = self._check_actions(actions)
+        outcome = self.evaluate(state, actions)
+        if len(outcome.rewards) != self.n_agents:
+            raise ValueError(f"evaluate returned {len(outcome.rewards)} rewards for {self.n_agents} agents")
+        history = state.history + "".join(format_turn(role, text) for role, text in zip(self.roles, actions))
+        step = state.step + 1
+        # The horizon is part of the task (the team gets ``horizon`` attempts), so running out of
+        # attempts terminates the episode; ``truncated`` is left for outside time limits.
+        terminated = bool(outcome.solved) or step >= self.horizon
+        truncated = False
+        if not (terminated or truncated) and outcome.feedback:
+            history += format_turn(JUDGE_ROLE, outcome.feedback)
+        return replace(state, history=history, step=step, terminated=terminated, truncated=truncated, outcome=outcome)
+
+    # ---- gymnasium API
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        """Start an episode.
+
+        Returns:
+            obs (str): the history so far, i.e. the problem line.
+            info (dict): ``step`` (0), ``answer`` and the task's extra keys.
+        """
+        super().reset(seed=seed)
+        task = self.sample_task(options)
+        self.episode = self.initial_state(task)
+        extras = {k: v for k, v in task.items() if k != "problem"}
+        return self.episode.history, {"step": 0, **extras}
+
+    def step(self, actions: Sequence[str]) -> tuple[str, np.ndarray, bool, bool, dict]:
+        """Take one team step: every agent's reply, in profile order.
+
+        Returns:
+            obs (str): the history including this step's turns (and judge feedback if not done).
+            rewards (np.ndarray): float32, shape ``(n_agents,)``, one reward per agent.
+            terminated (bool): the task was solved or the last of ``horizon`` attempts was used.
+            truncated (bool): always False here (no outside time limit).
+            info (dict): ``step`` (team steps taken) plus the outcome's info.
+        """
+        if self.episode is None or self.episode.done:
+            raise RuntimeError("call reset() before step() (the episode is over or never started)")
+        self.episode = self.transition(self.episode, actions)
+        outcome = self.episode.outcome
+        rewards = np.asarray(outcome.rewards, dtype=np.float32)  # (n_agents,)
+        info = {"step": self.episode.step, **outcome.info}
+        return self.episode.history, rewards, self.episode.terminated, self.episode.truncated, info
+
+    def state(self) -> str:
+        """The global view for a centralized critic: the full shared history."""
+        if self.episode is None:
+            raise RuntimeError("call reset() first")
+        return self.episode.history
+
+    # ---- helpers
+
+    def _check_actions(self, actions: Sequence[str]) -> tuple[str, ...]:
+        if isinstance(actions, str) or not isinstance(actions, (tuple, list)):
+            raise TypeError(f"actions must be a tuple/list of {self.n_agents} strings, got {type(actions).__name__}")
+        if len(actions) != self.n_agents:
+            raise ValueError(f"expected {self.n_agents} replies (one per agent {list(self.roles)}), got {len(actions)}")
+        for i, text in enumerate(actions):
+            if not isinstance(text, str):
+                raise TypeError(f"reply {i} ({self.roles[i]}) must be a str, got {type(text).__name__}")
+        return tuple(actions)

@@ -1,0 +1,55 @@
+"""How the shared conversation is written down as text.
+
+One plain-text format is used everywhere (environments, the agent team, the
+tiny model's warm-start data), so an agent's prompt is always::
+
+    <role header>            # the agent's system prompt, never truncated
+    Problem: <problem>\n     # \
+    <Role>: <reply>\n        #  | the shared history (environment observation)
+    Judge: <feedback>\n      # /  plus this step's earlier replies
+    <Role>:                  # the generation cue for this agent
+
+Real instruction models read this format fine; chat templates are left for a
+later change because a transcript shared by several agents has no single
+"assistant".
+"""
+
+from __future__ import annotations
+
+JUDGE_ROLE = "Judge"
+
+
+def format_problem(problem: str) -> str:
+    """The first line(s) of every shared history."""
+    return f"Problem: {problem.strip()}\n"
+
+
+def format_turn(role: str, text: str) -> str:
+    """One finished turn of the shared history: ``"<role>: <text>\\n"``."""
+    return f"{role}: {text.strip()}\n"
+
+
+def format_cue(role: str) -> str:
+    """The text that asks ``role`` to speak next (no trailing space)."""
+    return f"{role}:"
+
+
+def format_header(system_prompt: str) -> str:
+    """An agent's role header: its system prompt followed by a blank line, or nothing."""
+    system_prompt = system_prompt.strip()
+    return f"{system_prompt}\n\n" if system_prompt else ""
+
+
+def build_prompt(system_prompt: str, history: str, earlier_turns: list[tuple[str, str]], role: str) -> tuple[str, str]:
+    """Split an agent's prompt into ``(header, body)``.
+
+    ``header`` is kept whole when the prompt is too long; ``body`` is cut from the left.
+
+    Args:
+        system_prompt: the agent's prompt from the profile ("" for anonymous teams).
+        history: the environment's observation (problem plus earlier steps' turns).
+        earlier_turns: ``(role, reply)`` of the agents that already spoke in this step.
+        role: the role name of the agent about to speak.
+    """
+    body = history + "".join(format_turn(r, t) for r, t in earlier_turns) + format_cue(role)
+    return format_header(system_prompt), body

@@ -1,0 +1,90 @@
+"""Preallocated storage of one rollout batch (action level).
+
+Fields and shapes (T = episode_length, E = n_rollout_threads, N = n_agents,
+P = max prompt length, L = max_new_tokens):
+
+* ``prompt_ids, prompt_mask``      (T, E, N, P)  left-padded prompt of each agent turn
+* ``response_ids, response_mask``  (T, E, N, L)  right-padded reply (mask through the first EOS)
+* ``logprobs``                     (T, E, N, L)  token log-probs at sampling time
+* ``values``                       (T + 1, E, N) critic values; ``values[T, :, 0]`` bootstraps
+* ``rewards``                      (T, E, N)
+* ``dones``                        (T, E)        the episode ended after step t
+* ``n_words``                      (T, E, N)     words in each decoded reply (for ``normalization_mode=word``)
+* ``advantages, returns``          (T, E, N)     filled by :meth:`compute_advantages`
+"""
+
+from __future__ import annotations
+
+import torch
+
+from marft.agents.team import TurnOutput
+from marft.algorithms.advantages import agent_chain_gae
+
+
+class RolloutBuffer:
+    def __init__(self, episode_length: int, n_envs: int, n_agents: int, max_prompt_len: int, max_new_tokens: int, pad_id: int):
+        T, E, N, P, L = episode_length, n_envs, n_agents, max_prompt_len, max_new_tokens
+        self.shape = (T, E, N)
+        self.prompt_ids = torch.full((T, E, N, P), pad_id, dtype=torch.long)
+        self.prompt_mask = torch.zeros((T, E, N, P), dtype=torch.long)
+        self.response_ids = torch.full((T, E, N, L), pad_id, dtype=torch.long)
+        self.response_mask = torch.zeros((T, E, N, L), dtype=torch.long)
+        self.logprobs = torch.zeros((T, E, N, L))
+        self.values = torch.zeros((T + 1, E, N))
+        self.rewards = torch.zeros((T, E, N))
+        self.dones = torch.zeros((T, E), dtype=torch.bool)
+        self.n_words = torch.zeros((T, E, N))
+        self.advantages = torch.zeros((T, E, N))
+        self.returns = torch.zeros((T, E, N))
+
+    def insert_turn(self, step: int, agent: int, turn: TurnOutput) -> None:
+        """Store one agent's turn for all envs; its prompt is right-aligned (left padding kept)."""
+        width = turn.prompt_ids.shape[1]
+        self.prompt_ids[step, :, agent, -width:] = turn.prompt_ids.cpu()
+        self.prompt_mask[step, :, agent, -width:] = turn.prompt_mask.cpu()
+        self.prompt_mask[step, :, agent, :-width] = 0
+        self.response_ids[step, :, agent] = turn.response_ids.cpu()
+        self.response_mask[step, :, agent] = turn.response_mask.cpu()
+        self.logprobs[step, :, agent] = turn.logprobs.float().cpu()
+        self.values[step, :, agent] = turn.values.float().cpu()
+        self.n_words[step, :, agent] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
+
+    def insert_step(self, step: int, rewards, dones) -> None:
+        """Rewards ``(E, N)`` and episode ends ``(E,)`` after all agents acted at ``step``."""
+        self.rewards[step] = torch.as_tensor(rewards, dtype=torch.float)
+        self.dones[step] = torch.as_tensor(dones, dtype=torch.bool)
+
+    def compute_advantages(self, gamma: float, gae_lambda: float) -> None:
+        self.advantages, self.returns = agent_chain_gae(self.rewards, self.values, self.dones, gamma, gae_lambda)
+
+    def agent_samples(self, agent: int) -> dict[str, torch.Tensor]:
+        """One agent's turns flattened over (T, E): every tensor gets a leading dim of T·E."""
+        fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
+        samples = {name: getattr(self, name)[:, :, agent].flatten(0, 1) for name in fields}
+        samples["values"] = self.values[:-1, :, agent].flatten(0, 1)
+        return samples
+
+    def critic_samples(self) -> dict[str, torch.Tensor]:
+        """Every agent turn's prompt, value and return, flattened over (T, E, N)."""
+        return {
+            "prompt_ids": self.prompt_ids.flatten(0, 2),
+            "prompt_mask": self.prompt_mask.flatten(0, 2),
+            "values": self.values[:-1].flatten(0, 2),
+            "returns": self.returns.flatten(0, 2),
+        }
+
+
+def trim_batch(samples: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """Drop all-padding prompt columns (left) and reply columns (right), move to ``device``."""
+    out = dict(samples)
+    if "prompt_mask" in samples:
+        used = samples["prompt_mask"].any(0).nonzero()
+        start = int(used[0]) if len(used) else samples["prompt_mask"].shape[1] - 1
+        out["prompt_ids"] = samples["prompt_ids"][:, start:]
+        out["prompt_mask"] = samples["prompt_mask"][:, start:]
+    if "response_mask" in samples:
+        used = samples["response_mask"].any(0).nonzero()
+        end = int(used[-1]) + 1 if len(used) else 1
+        for name in ("response_ids", "response_mask", "logprobs"):
+            out[name] = samples[name][:, :end]
+    return {k: v.to(device) for k, v in out.items()}

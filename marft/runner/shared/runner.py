@@ -1,0 +1,212 @@
+"""The shared runner: rollout → buffer → advantages → update → logs → evaluation → checkpoints.
+
+"Shared" as in on-policy's MAPPO: one runner drives the whole team over a batch of
+parallel environments; agents act in profile order on each environment's shared history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from marft.agents.team import AgentTeam
+from marft.config import TrainConfig
+from marft.runner.shared.buffer import RolloutBuffer
+from marft.runner.shared.checkpoint import load_checkpoint, save_checkpoint
+
+logger = logging.getLogger(__name__)
+
+
+class Runner:
+    """Trains ``team`` with ``trainer`` on ``envs`` and evaluates on environments from ``make_eval_env``.
+
+    Args:
+        config: the resolved run config.
+        team: the agent team (one base model, adapters, critic).
+        trainer: an algorithm object with ``update(buffer, iteration) -> metrics``,
+            ``agents_to_train(iteration)``, ``counters``, ``state_dict`` and ``load_state_dict``.
+        envs: a ``TextVectorEnv`` of ``n_rollout_threads`` training environments.
+        make_eval_env: builds one held-out environment.
+        run_dir: where config, TensorBoard logs and checkpoints go.
+    """
+
+    def __init__(self, config: TrainConfig, team: AgentTeam, trainer, envs, make_eval_env: Callable, run_dir: Path):
+        self.config = config
+        self.team = team
+        self.trainer = trainer
+        self.envs = envs
+        self.make_eval_env = make_eval_env
+        self.run_dir = Path(run_dir)
+        self.checkpoint_dir = self.run_dir / "checkpoints"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(config.to_json())
+        self.writer = SummaryWriter(str(self.run_dir / "logs"))
+        self.writer.add_text("config", _markdown_table(config.to_dict()))
+        self.roles = [spec.role for spec in team.profile]
+        self.start_iteration = 0
+        self.env_steps = 0
+        self.obs, _ = envs.reset(seed=config.runner.seed)
+        self.episode_returns = np.zeros(config.runner.n_rollout_threads)  # running team return per env
+
+    # ------------------------------------------------------------------ rollout
+    def collect(self) -> tuple[RolloutBuffer, dict]:
+        """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer."""
+        rc, team = self.config.runner, self.team
+        T, E, N = rc.episode_length, rc.n_rollout_threads, team.n_agents
+        buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id)
+        finished_returns, finished_correct, tokens = [], [], 0
+        start = time.perf_counter()
+        for step in range(T):
+            turns = [[] for _ in range(E)]  # (role, reply) of the agents that already spoke, per env
+            for agent in range(N):
+                out = team.act(agent, self.obs, turns)
+                buffer.insert_turn(step, agent, out)
+                tokens += int(out.response_mask.sum())
+                for e in range(E):
+                    turns[e].append((self.roles[agent], out.texts[e]))
+            actions = [[reply for _, reply in env_turns] for env_turns in turns]
+            self.obs, rewards, dones, infos = self.envs.step(actions)
+            buffer.insert_step(step, rewards, dones)
+            self.episode_returns += np.asarray(rewards, dtype=np.float64).mean(-1)
+            for e in np.flatnonzero(dones):
+                finished_returns.append(self.episode_returns[e])
+                final_info = infos[e].get("final_info", infos[e])
+                if "correct" in final_info:
+                    finished_correct.append(float(final_info["correct"]))
+                self.episode_returns[e] = 0.0
+        with torch.no_grad():
+            prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)])
+            buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask).float().cpu()
+        seconds = time.perf_counter() - start
+        self.env_steps += T * E
+        stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
+        if finished_returns:
+            stats["charts/episode_return"] = float(np.mean(finished_returns))
+        if finished_correct:
+            stats["charts/accuracy"] = float(np.mean(finished_correct))
+        stats["charts/step_reward"] = float(buffer.rewards.mean())
+        return buffer, stats
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, n_episodes: int | None = None) -> dict[str, float]:
+        """Play held-out episodes with the current team (sampling as in training).
+
+        Environments that expose ``num_problems`` are evaluated on problems ``0..n-1`` in order;
+        others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
+        whose last step was correct, when the env reports ``correct``) and mean team ``return``.
+        """
+        rc, team = self.config.runner, self.team
+        probe = self.make_eval_env()
+        n = n_episodes or rc.eval_episodes
+        if hasattr(probe, "num_problems"):
+            n = min(n, probe.num_problems)
+        envs = [probe] + [self.make_eval_env() for _ in range(min(rc.n_eval_threads, n) - 1)]
+        returns, correct = [], []
+        for first in range(0, n, len(envs)):
+            batch = list(range(first, min(first + len(envs), n)))
+            obs = [
+                env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k} if hasattr(env, "num_problems") else None)[0]
+                for env, k in zip(envs, batch)
+            ]
+            live = list(range(len(batch)))
+            ep_return = np.zeros(len(batch))
+            last_correct = np.zeros(len(batch))
+            while live:
+                turns = [[] for _ in live]
+                for agent in range(team.n_agents):
+                    out = team.act(agent, [obs[i] for i in live], turns)
+                    for j in range(len(live)):
+                        turns[j].append((self.roles[agent], out.texts[j]))
+                still_live = []
+                for j, i in enumerate(live):
+                    obs[i], rewards, terminated, truncated, info = envs[i].step([reply for _, reply in turns[j]])
+                    ep_return[i] += float(np.mean(rewards))
+                    last_correct[i] = float(info.get("correct", 0.0))
+                    if not (terminated or truncated):
+                        still_live.append(i)
+                live = still_live
+            returns.extend(ep_return.tolist())
+            correct.extend(last_correct.tolist())
+        return {"accuracy": float(np.mean(correct)), "return": float(np.mean(returns)), "episodes": len(returns)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, iteration: int) -> Path:
+        state = {"iteration": iteration, "env_steps": self.env_steps}
+        return save_checkpoint(self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json())
+
+    def restore(self, path: str | Path) -> None:
+        state = load_checkpoint(path, self.team, self.trainer)
+        self.start_iteration = int(state["iteration"])
+        self.env_steps = int(state["env_steps"])
+        logger.info("resumed from %s at iteration %d", path, self.start_iteration)
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> dict:
+        """Evaluate, train ``num_iterations`` iterations, evaluate again, save; return the summary."""
+        rc = self.config.runner
+        if rc.load_path:
+            self.restore(rc.load_path)
+        before = self.evaluate()
+        self._log_eval(before, self.start_iteration)
+        print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)", flush=True)
+        n_iterations = self.config.num_iterations
+        bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None)
+        for iteration in bar:
+            start = time.perf_counter()
+            buffer, stats = self.collect()
+            buffer.compute_advantages(self.config.algo.gamma, self.config.algo.gae_lambda)
+            metrics = self.trainer.update(buffer, iteration)
+            stats["charts/iteration_seconds"] = time.perf_counter() - start
+            stats["charts/env_steps"] = self.env_steps
+            for key, value in self.trainer.counters.items():
+                stats[f"counters/{key}"] = value
+            if rc.log_interval and (iteration + 1) % rc.log_interval == 0:
+                for key, value in {**stats, **_loss_tags(metrics)}.items():
+                    self.writer.add_scalar(key, value, iteration + 1)
+            bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
+            if rc.save_interval and (iteration + 1) % rc.save_interval == 0:
+                self.save(iteration + 1)
+            if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < n_iterations:
+                self._log_eval(self.evaluate(), iteration + 1)
+        after = self.evaluate()
+        self._log_eval(after, n_iterations)
+        checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
+        if n_iterations > self.start_iteration and not checkpoint.exists():
+            self.save(n_iterations)
+        self.writer.close()
+        summary = {
+            "accuracy_before": before["accuracy"],
+            "accuracy_after": after["accuracy"],
+            "return_before": before["return"],
+            "return_after": after["return"],
+            "iterations": n_iterations,
+            "env_steps": self.env_steps,
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(checkpoint) if checkpoint.exists() else None,
+        }
+        print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)", flush=True)
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _log_eval(self, result: dict, step: int) -> None:
+        self.writer.add_scalar("eval/accuracy", result["accuracy"], step)
+        self.writer.add_scalar("eval/return", result["return"], step)
+
+
+def _loss_tags(metrics: dict[str, float]) -> dict[str, float]:
+    """``agent_<role>/policy_loss`` → ``losses/agent_<role>/policy_loss``; NaN entries dropped."""
+    return {f"losses/{k}": v for k, v in metrics.items() if v == v}
+
+
+def _markdown_table(config: dict) -> str:
+    rows = [f"|{section}.{name}|{value}|" for section, fields in config.items() for name, value in fields.items()]
+    return "|param|value|\n|-|-|\n" + "\n".join(rows)

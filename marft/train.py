@@ -1,0 +1,111 @@
+"""Entry point: ``python -m marft.train [flags]`` (what ``scripts/train_math.sh`` runs).
+
+All inputs are validated before the model is loaded, so a wrong path or agent
+count costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from marft.config import TrainConfig, parse_config
+
+logger = logging.getLogger("marft")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def default_run_dir(config: TrainConfig) -> Path:
+    if config.runner.output_dir:
+        return Path(config.runner.output_dir)
+    return Path("results") / config.runner.experiment_name / time.strftime("%Y%m%d-%H%M%S")
+
+
+def build_env_factories(config: TrainConfig, profile):
+    """``(make_train_env, make_eval_env)``; loads the datasets once so bad data fails early."""
+    from marft.envs import make
+    from marft.envs.math import load_problems
+
+    ec = config.env
+    kwargs = dict(profile=profile, horizon=ec.horizon)
+    if ec.env_name != "math":
+        return (lambda: make(ec.env_name, split="train", **kwargs)), (lambda: make(ec.env_name, split="test", **kwargs))
+    train_problems = load_problems(ec.dataset_path, split="train")
+    eval_source = ec.eval_dataset_path or ec.dataset_path
+    eval_problems = load_problems(eval_source, split="test")
+    return (
+        lambda: make("math", problems=train_problems, **kwargs),
+        lambda: make("math", problems=eval_problems, **kwargs),
+    )
+
+
+def validate(config: TrainConfig):
+    """Check profile, model path, data and resume path; return ``(profile, make_train_env, make_eval_env)``."""
+    from marft.agents.loading import check_model_path
+    from marft.envs.profile import load_profile
+
+    profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
+    check_model_path(config.model.model_name_or_path)
+    make_train_env, make_eval_env = build_env_factories(config, profile)
+    if config.runner.load_path and not Path(config.runner.load_path).exists():
+        raise FileNotFoundError(f"--load_path {config.runner.load_path} does not exist; pass a checkpoints/steps_<N> folder")
+    return profile, make_train_env, make_eval_env
+
+
+def train(config: TrainConfig, validated=None) -> dict:
+    """Build everything from ``config`` and run training; returns the run summary.
+
+    ``validated`` is the result of :func:`validate` when the caller already checked the inputs.
+    """
+    from marft.agents.loading import load_base_model
+    from marft.agents.team import AgentTeam
+    from marft.algorithms import make_trainer
+    from marft.envs.vector import TextVectorEnv
+    from marft.runner.shared.runner import Runner
+
+    profile, make_train_env, make_eval_env = validated or validate(config)
+    seed_everything(config.runner.seed)
+    model, tokenizer = load_base_model(config.model)
+    team = AgentTeam(model, tokenizer, profile, config.model)
+    trainer = make_trainer(team, config.algo)
+    envs = TextVectorEnv([make_train_env] * config.runner.n_rollout_threads)
+    run_dir = default_run_dir(config)
+    logger.info("run directory: %s", run_dir)
+    runner = Runner(config, team, trainer, envs, make_eval_env, run_dir)
+    start = time.perf_counter()
+    summary = runner.run()
+    summary["seconds"] = time.perf_counter() - start
+    return summary
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    config, _ = parse_config(argv)
+    try:
+        validated = validate(config)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    summary = train(config, validated)
+    print(
+        f"done in {summary['seconds']:.0f}s: accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
+        f"run directory {summary['run_dir']}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The agent team on one base model: scoring, masks, truncation and which parameters train."""
+
+import copy
+
+import pytest
+import torch
+
+from marft.agents.loading import load_base_model
+from marft.agents.team import AgentTeam, reply_mask
+from marft.algorithms.appo_trainer import APPOTrainer
+from marft.config import AlgoConfig, ModelConfig
+from marft.envs.profile import load_profile
+from marft.runner.shared.buffer import RolloutBuffer
+
+HISTORIES = [
+    "Problem: What is 3 + 4?\n",
+    "Problem: What is 13 - 4?\nReasoner: 13 - 4 = 9\nActor: \\boxed{8}\nJudge: wrong, try again\n",
+    "Problem: What is 1 + 1?\n",
+]
+
+
+def make_team(model_dir, **overrides):
+    config = ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=96, **overrides)
+    model, tokenizer = load_base_model(config)
+    return AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config)
+
+
+def reference_logprobs(team, adapter, prompt_ids, prompt_mask, response_ids, response_mask):
+    """One unpadded sequence at a time, full-vocabulary log-softmax at every reply position."""
+    team.model.set_adapter(adapter)
+    rows = []
+    for p, pm, r, rm in zip(prompt_ids, prompt_mask, response_ids, response_mask):
+        prompt = p[pm.bool()]
+        reply = r[: int(rm.sum())]
+        ids = torch.cat([prompt, reply]).unsqueeze(0)
+        logits = team.model(input_ids=ids).logits[0].float() / team.config.temperature
+        if team.config.top_k > 0:
+            kth = torch.topk(logits, team.config.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, -1e9)
+        logp = torch.log_softmax(logits, -1)
+        row = torch.zeros(response_ids.shape[1])
+        for t in range(len(reply)):
+            row[t] = logp[len(prompt) - 1 + t, reply[t]]
+        rows.append(row)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_rollout_logprobs_match_plain_reference(random_model_dir, temperature, top_k):
+    torch.manual_seed(0)
+    team = make_team(random_model_dir, temperature=temperature, top_k=top_k)
+    out = team.act(1, HISTORIES, [[("Reasoner", "hi")], [("Reasoner", "a longer reply here")], []])
+    with torch.no_grad():
+        ref = reference_logprobs(team, team.agent_adapters[1], out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+    torch.testing.assert_close(out.logprobs, ref, atol=1e-5, rtol=0)
+    assert (out.logprobs[out.response_mask == 0] == 0).all()
+    if top_k:
+        assert torch.isfinite(out.logprobs).all()
+
+
+def test_reply_mask_stops_after_first_eos():
+    eos = 7
+    ids = torch.tensor([[1, 2, 7, 7, 7], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5], [1, 7, 3, 0, 0]])
+    mask = reply_mask(ids, eos, generated=5)
+    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert reply_mask(ids, eos, generated=3)[2].tolist() == [1, 1, 1, 0, 0]
+
+
+def test_empty_reply_is_scored(random_model_dir):
+    """A reply that is only EOS decodes to "" and still gets a finite log-prob."""
+    team = make_team(random_model_dir)
+    prompt_ids, prompt_mask = team.encode_prompts(0, HISTORIES[:1], [[]])
+    response_ids = torch.full((1, 6), team.pad_id)
+    response_ids[0, 0] = team.eos_id
+    response_mask = reply_mask(response_ids, team.eos_id, 6)
+    with torch.no_grad():
+        logp, entropy = team.response_logprobs("reasoner", prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True)
+    assert torch.isfinite(logp).all() and logp[0, 0] < 0 and (logp[0, 1:] == 0).all()
+    assert team.decode(response_ids, response_mask) == [""]
+
+
+def test_long_history_is_cut_from_the_left_keeping_the_role_header(random_model_dir):
+    team = make_team(random_model_dir)
+    long_history = "Problem: What is 3 + 4?\n" + "Judge: wrong, try again\n" * 200
+    ids, mask = team.encode_prompts(1, [long_history], [[("Reasoner", "3 + 4 = 7")]])
+    assert ids.shape[1] == team.max_prompt_len
+    header = team.header_ids[1]
+    assert ids[0, : len(header)].tolist() == header
+    text = team.tokenizer.decode(ids[0, len(header):])
+    assert text.endswith("Reasoner: 3 + 4 = 7\nActor:")
+
+
+def fill_buffer(team, n_envs=4, steps=2):
+    """A real rollout from the team with random rewards."""
+    buffer = RolloutBuffer(steps, n_envs, team.n_agents, team.max_prompt_len, team.config.max_new_tokens, team.pad_id)
+    histories = (HISTORIES * n_envs)[:n_envs]
+    for t in range(steps):
+        turns = [[] for _ in range(n_envs)]
+        for agent in range(team.n_agents):
+            out = team.act(agent, histories, turns)
+            buffer.insert_turn(t, agent, out)
+            for e in range(n_envs):
+                turns[e].append((team.profile[agent].role, out.texts[e]))
+        buffer.insert_step(t, torch.randint(0, 2, (n_envs, team.n_agents)).float(), torch.tensor([t == steps - 1] * n_envs))
+    buffer.compute_advantages(0.99, 0.95)
+    return buffer
+
+
+def snapshot(team):
+    params = {n: p.detach().clone() for n, p in team.model.named_parameters()}
+    params.update({f"value_head.{n}": p.detach().clone() for n, p in team.value_head.named_parameters()})
+    return params
+
+
+def changed_groups(team, before):
+    """Which parameter groups moved: adapter names, 'value_head' or 'base'."""
+    after = snapshot(team)
+    moved = set()
+    for name, value in before.items():
+        if not torch.equal(value, after[name]):
+            if name.startswith("value_head."):
+                moved.add("value_head")
+            elif "lora_" in name:
+                moved.add(name.split("lora_")[1].split(".")[1])
+            else:
+                moved.add("base")
+    return moved
+
+
+@pytest.mark.parametrize("shared_lora", [False, True])
+def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora):
+    torch.manual_seed(0)
+    team = make_team(random_model_dir, shared_lora=shared_lora)
+    trainer = APPOTrainer(team, AlgoConfig(agent_iteration_interval=2, ppo_epoch=1, lr=1e-2))
+    for iteration, expected_agent in [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0)]:
+        assert trainer.agents_to_train(iteration) == [expected_agent]
+        buffer = fill_buffer(team)
+        before = snapshot(team)
+        trainer.update(buffer, iteration)
+        adapter = team.agent_adapters[expected_agent]
+        assert changed_groups(team, before) == {adapter, "critic", "value_head"}, iteration
+
+
+def test_all_agents_train_when_interval_is_zero_and_none_during_warmup(random_model_dir):
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    trainer = APPOTrainer(team, AlgoConfig(agent_iteration_interval=0, warmup_steps=1, ppo_epoch=1, lr=1e-2))
+    buffer = fill_buffer(team)
+    before = snapshot(team)
+    trainer.update(buffer, 0)
+    assert changed_groups(team, before) == {"critic", "value_head"}
+    before = snapshot(team)
+    trainer.update(buffer, 1)
+    assert changed_groups(team, before) == {"reasoner", "actor", "critic", "value_head"}
+
+
+def test_policy_gradient_raises_the_logprob_of_advantaged_replies(random_model_dir):
+    """One update must make replies with positive advantage more likely (sign check)."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    trainer = APPOTrainer(team, AlgoConfig(ppo_epoch=4, lr=1e-2, normalize_advantages=False))
+    buffer = fill_buffer(team, n_envs=6, steps=1)
+    buffer.advantages[:] = 0
+    buffer.advantages[0, :3] = 1.0
+    buffer.advantages[0, 3:] = -1.0
+    trainer.update_policy(0, buffer.agent_samples(0))
+    s = buffer.agent_samples(0)
+    with torch.no_grad():
+        new, _ = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"])
+    delta = new.sum(-1) - s["logprobs"].sum(-1)
+    assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
