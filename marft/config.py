@@ -92,7 +92,7 @@ class AlgoConfig:
     """Multi-agent PPO hyperparameters."""
 
     algorithm_name: str = "APPO"
-    """APPO: action-level MAPPO (MARFT-A), an agent's whole reply is one action."""
+    """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one."""
     lr: float = 1e-3
     """Learning rate of the agents' adapters."""
     critic_lr: float = 1e-3
@@ -121,6 +121,10 @@ class AlgoConfig:
     """Discount per agent turn along the agent chain."""
     gae_lambda: float = 0.95
     """GAE lambda along the agent chain."""
+    token_gamma: float = 1.0
+    """TPPO: discount between consecutive tokens of one reply (1.0 keeps a long reply's final reward whole)."""
+    token_gae_lambda: float = 1.0
+    """TPPO: GAE lambda between consecutive tokens of one reply."""
     normalize_advantages: bool = True
     """Standardise advantages over each trained agent's batch."""
     normalization_mode: str = "sum"
@@ -133,8 +137,8 @@ class AlgoConfig:
     """Train one agent at a time for this many iterations each, round-robin (0: all agents every iteration)."""
 
     def __post_init__(self):
-        if self.algorithm_name not in ("APPO",):
-            raise ValueError(f"--algorithm_name must be APPO, got {self.algorithm_name!r}")
+        if self.algorithm_name not in ("APPO", "TPPO"):
+            raise ValueError(f"--algorithm_name must be APPO or TPPO, got {self.algorithm_name!r}")
         if self.normalization_mode not in ("sum", "token", "word"):
             raise ValueError(f"--normalization_mode must be sum, token or word, got {self.normalization_mode!r}")
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps"):

@@ -4,6 +4,7 @@ One plain-text format is used everywhere (environments, the agent team, the
 tiny model's warm-start data), so an agent's prompt is always::
 
     <role header>            # the agent's system prompt, never truncated
+    <private observation>    # what only this agent sees (optional), never truncated
     Problem: <problem>\n     # \
     <Role>: <reply>\n        #  | the shared history (environment observation)
     Judge: <feedback>\n      # /  plus this step's earlier replies
@@ -38,6 +39,12 @@ def format_header(system_prompt: str) -> str:
     """An agent's role header: its system prompt followed by a blank line, or nothing."""
     system_prompt = system_prompt.strip()
     return f"{system_prompt}\n\n" if system_prompt else ""
+
+
+def format_private(text: str) -> str:
+    """An agent's private observation (e.g. a hidden key only it may see), or nothing."""
+    text = text.strip()
+    return f"{text}\n\n" if text else ""
 
 
 def build_prompt(system_prompt: str, history: str, earlier_turns: list[tuple[str, str]], role: str) -> tuple[str, str]:

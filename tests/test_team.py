@@ -7,7 +7,9 @@ import torch
 
 from marft.agents.loading import load_base_model
 from marft.agents.team import AgentTeam, reply_mask
+from marft.algorithms import TRAINERS
 from marft.algorithms.appo_trainer import APPOTrainer
+from marft.algorithms.tppo_trainer import TPPOTrainer
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import load_profile
 from marft.runner.shared.buffer import RolloutBuffer
@@ -90,19 +92,23 @@ def test_long_history_is_cut_from_the_left_keeping_the_role_header(random_model_
     assert text.endswith("Reasoner: 3 + 4 = 7\nActor:")
 
 
-def fill_buffer(team, n_envs=4, steps=2):
-    """A real rollout from the team with random rewards."""
+def fill_buffer(team, n_envs=4, steps=2, trainer=None):
+    """A real rollout from the team with random rewards, advantages computed by ``trainer``'s rule."""
+    token_level = trainer is not None and trainer.token_level
     buffer = RolloutBuffer(steps, n_envs, team.n_agents, team.max_prompt_len, team.config.max_new_tokens, team.pad_id)
     histories = (HISTORIES * n_envs)[:n_envs]
     for t in range(steps):
         turns = [[] for _ in range(n_envs)]
         for agent in range(team.n_agents):
-            out = team.act(agent, histories, turns)
+            out = team.act(agent, histories, turns, token_values=token_level)
             buffer.insert_turn(t, agent, out)
             for e in range(n_envs):
                 turns[e].append((team.profile[agent].role, out.texts[e]))
         buffer.insert_step(t, torch.randint(0, 2, (n_envs, team.n_agents)).float(), torch.tensor([t == steps - 1] * n_envs))
-    buffer.compute_advantages(0.99, 0.95)
+    if trainer is None:
+        buffer.compute_advantages(0.99, 0.95)
+    else:
+        trainer.compute_advantages(buffer)
     return buffer
 
 
@@ -127,14 +133,15 @@ def changed_groups(team, before):
     return moved
 
 
+@pytest.mark.parametrize("algorithm", sorted(TRAINERS))
 @pytest.mark.parametrize("shared_lora", [False, True])
-def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora):
+def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora, algorithm):
     torch.manual_seed(0)
     team = make_team(random_model_dir, shared_lora=shared_lora)
-    trainer = APPOTrainer(team, AlgoConfig(agent_iteration_interval=2, ppo_epoch=1, lr=1e-2))
+    trainer = TRAINERS[algorithm](team, AlgoConfig(algorithm_name=algorithm, agent_iteration_interval=2, ppo_epoch=1, lr=1e-2))
     for iteration, expected_agent in [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0)]:
         assert trainer.agents_to_train(iteration) == [expected_agent]
-        buffer = fill_buffer(team)
+        buffer = fill_buffer(team, trainer=trainer)
         before = snapshot(team)
         trainer.update(buffer, iteration)
         adapter = team.agent_adapters[expected_agent]
@@ -165,6 +172,33 @@ def test_policy_gradient_raises_the_logprob_of_advantaged_replies(random_model_d
     buffer.advantages[0, 3:] = -1.0
     trainer.update_policy(0, buffer.agent_samples(0))
     s = buffer.agent_samples(0)
+    with torch.no_grad():
+        new, _ = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"])
+    delta = new.sum(-1) - s["logprobs"].sum(-1)
+    assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
+
+
+def test_token_values_first_position_is_the_prompt_value(random_model_dir):
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    out = team.act(0, HISTORIES, [[], [], []], token_values=True)
+    with torch.no_grad():
+        prompt_values = team.values(out.prompt_ids, out.prompt_mask)
+    torch.testing.assert_close(out.token_values[:, 0], prompt_values, atol=1e-5, rtol=0)
+    assert (out.token_values[out.response_mask == 0] == 0).all()
+
+
+def test_tppo_raises_the_logprob_of_advantaged_tokens(random_model_dir):
+    """Token-level sign check: tokens with positive advantage become more likely, negative less."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    trainer = TPPOTrainer(team, AlgoConfig(algorithm_name="TPPO", ppo_epoch=4, lr=1e-2, normalize_advantages=False))
+    buffer = fill_buffer(team, n_envs=6, steps=1, trainer=trainer)
+    buffer.token_advantages[:] = 0
+    buffer.token_advantages[0, :3, 0] = buffer.response_mask[0, :3, 0].float()
+    buffer.token_advantages[0, 3:, 0] = -buffer.response_mask[0, 3:, 0].float()
+    trainer.update_policy(0, buffer.agent_samples(0, token_level=True))
+    s = buffer.agent_samples(0, token_level=True)
     with torch.no_grad():
         new, _ = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"])
     delta = new.sum(-1) - s["logprobs"].sum(-1)

@@ -25,7 +25,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import GenerationConfig
 
 from marft.config import ModelConfig
-from marft.prompting import build_prompt
+from marft.prompting import build_prompt, format_private
 
 CRITIC_ADAPTER = "critic"
 SHARED_ADAPTER = "shared"
@@ -62,6 +62,7 @@ class TurnOutput:
     logprobs: torch.Tensor  # (B, L) token log-probs of the sampled ids under the sampling distribution
     values: torch.Tensor  # (B,) critic value of the prompt
     texts: list[str]  # decoded replies, stripped
+    token_values: torch.Tensor | None = None  # (B, L) critic value before each reply token (token-level trainers)
 
 
 class AgentTeam(nn.Module):
@@ -163,16 +164,34 @@ class AgentTeam(nn.Module):
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def encode_prompts(self, agent: int, histories: Sequence[str], earlier_turns: Sequence[list[tuple[str, str]]]):
-        """Tokenise agent ``agent``'s prompts: role header kept whole, history cut from the left.
+    def encode_prompts(
+        self,
+        agent: int,
+        histories: Sequence[str],
+        earlier_turns: Sequence[list[tuple[str, str]]],
+        private: Sequence[str] | None = None,
+    ):
+        """Tokenise agent ``agent``'s prompts: role header (and private observation) kept whole,
+        history cut from the left.
+
+        Args:
+            histories: per prompt, the environment's shared observation.
+            earlier_turns: per prompt, ``(role, reply)`` of the agents that already spoke this step.
+            private: per prompt, text only this agent sees (None: nothing).
 
         Returns ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, left-padded, P ≤ max_prompt_len.
         """
         spec = self.profile[agent]
         bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
-        header = self.header_ids[agent]
-        budget = self.max_prompt_len - len(header)
-        rows = [header + ids[-budget:] for ids in self.tokenizer(bodies, add_special_tokens=False).input_ids]
+        headers = [self.header_ids[agent]] * len(bodies)
+        if private is not None and any(private):
+            headers = [self.header_ids[agent] + self._encode(format_private(text)) for text in private]
+        rows = []
+        for header, ids in zip(headers, self.tokenizer(bodies, add_special_tokens=False).input_ids):
+            budget = self.max_prompt_len - len(header)
+            if budget <= 0:
+                raise ValueError(f"the role header and private observation of {spec.role!r} fill the whole prompt budget; raise --context_window")
+            rows.append(header + ids[-budget:])
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -236,6 +255,25 @@ class AgentTeam(nn.Module):
         ).last_hidden_state  # (B, P, H)
         return self.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
 
+    def token_values(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Token-level critic: the value before each reply token, from the exact sampled ids.
+
+        ``[:, 0]`` equals :meth:`values` of the prompt. (B, P), (B, L) → (B, L), zero at padding.
+        """
+        self.model.set_adapter(CRITIC_ADAPTER)
+        decoder = self.model.get_base_model().get_decoder()
+        L = response_ids.shape[1]
+        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P + L)
+        hidden = decoder(
+            input_ids=torch.cat([prompt_ids, response_ids], dim=1),
+            attention_mask=mask,
+            position_ids=position_ids_from_mask(mask),
+            use_cache=False,
+        ).last_hidden_state[:, -L - 1 : -1]  # (B, L, H): the state before reply token t
+        return self.value_head(hidden.float()).squeeze(-1) * response_mask  # (B, L)
+
     @torch.no_grad()
     def generate(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
         """Sample replies. Returns ``response_ids (B, max_new_tokens)`` and ``response_mask`` (through the first EOS)."""
@@ -250,14 +288,28 @@ class AgentTeam(nn.Module):
         return response_ids, reply_mask(response_ids, self.eos_id, response.shape[1])
 
     @torch.no_grad()
-    def act(self, agent: int, histories: Sequence[str], earlier_turns: Sequence[list[tuple[str, str]]]) -> TurnOutput:
-        """Agent ``agent`` replies to every history in the batch: sample, score, value."""
-        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns)
-        values = self.values(prompt_ids, prompt_mask)
+    def act(
+        self,
+        agent: int,
+        histories: Sequence[str],
+        earlier_turns: Sequence[list[tuple[str, str]]],
+        private: Sequence[str] | None = None,
+        token_values: bool = False,
+    ) -> TurnOutput:
+        """Agent ``agent`` replies to every history in the batch: sample, score, value.
+
+        With ``token_values`` the critic also values every reply token (``TurnOutput.token_values``).
+        """
+        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private)
         adapter = self.agent_adapters[agent]
         response_ids, response_mask = self.generate(adapter, prompt_ids, prompt_mask)
         logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
         texts = self.decode(response_ids, response_mask)
+        if token_values:
+            per_token = self.token_values(prompt_ids, prompt_mask, response_ids, response_mask)  # (B, L)
+            values = self.values(prompt_ids, prompt_mask) if not response_mask[:, 0].all() else per_token[:, 0]
+            return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, values, texts, per_token)
+        values = self.values(prompt_ids, prompt_mask)
         return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, values, texts)
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:

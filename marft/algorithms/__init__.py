@@ -1,8 +1,9 @@
 """Trainers, chosen by ``--algorithm_name``."""
 
 from marft.algorithms.appo_trainer import APPOTrainer
+from marft.algorithms.tppo_trainer import TPPOTrainer
 
-TRAINERS = {"APPO": APPOTrainer}
+TRAINERS = {"APPO": APPOTrainer, "TPPO": TPPOTrainer}
 
 
 def make_trainer(team, config):

@@ -54,3 +54,74 @@ def agent_chain_gae(
     chain_adv = reverse_discounted_sum(deltas, gamma * gae_lambda * not_done)  # (T·N, E)
     advantages = chain_adv.reshape(T, N, E).permute(0, 2, 1)  # (T, E, N)
     return advantages, advantages + values[:T]
+
+
+def discount_matrix(length: int, discount: float, dtype=torch.float32, device=None) -> torch.Tensor:
+    """``W[l, k] = discount ** (k - l)`` for ``k >= l``, else 0. Shape (length, length)."""
+    idx = torch.arange(length, device=device)
+    steps = idx.unsqueeze(0) - idx.unsqueeze(1)  # (L, L): k - l
+    return torch.where(steps >= 0, torch.tensor(discount, dtype=dtype, device=device) ** steps.clamp(min=0).to(dtype), torch.zeros((), dtype=dtype, device=device))
+
+
+def token_chain_gae(
+    rewards: torch.Tensor,
+    token_values: torch.Tensor,
+    response_mask: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    dones: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+    token_gamma: float = 1.0,
+    token_gae_lambda: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level advantages along the agent chain (MARFT-T).
+
+    Within a reply, token l bootstraps from token l + 1 with no reward, discounted by
+    ``token_gamma`` / ``token_gae_lambda``. A reply's last real token receives the agent's
+    reward and bootstraps from the first token of the next non-empty reply (the last agent
+    from the first agent of the next step), discounted by ``gamma`` / ``gae_lambda``; an
+    episode end cuts the chain. An empty reply takes no action: its reward goes to the last
+    token of the previous reply of the same episode (dropped if there is none).
+
+    Args:
+        rewards: ``(T, E, N)`` reward of each agent turn.
+        token_values: ``(T, E, N, L)`` critic value before each reply token.
+        response_mask: ``(T, E, N, L)`` 1 for real reply tokens (a prefix of each row).
+        bootstrap_value: ``(E,)`` value of the first token after the rollout.
+        dones: ``(T, E)`` the episode ended after step t.
+
+    Returns:
+        ``advantages (T, E, N, L)`` and ``returns (T, E, N, L)``, zero at padding.
+
+    The only Python loop runs over the T·N replies of the chain; each iteration handles
+    every env and every token of the reply at once (tokens through a discount matrix).
+    """
+    T, E, N, L = token_values.shape
+    dtype, device = token_values.dtype, token_values.device
+    mask = response_mask.to(dtype)
+    lengths = response_mask.sum(-1).long()  # (T, E, N)
+    within = token_gamma * token_gae_lambda
+    W = discount_matrix(L, within, dtype, device)  # (L, L)
+    pos = torch.arange(L, device=device)
+    advantages = torch.zeros_like(token_values)
+    next_value = bootstrap_value.to(dtype).clone()  # (E,) value of the next real token after the current reply
+    next_adv = torch.zeros(E, dtype=dtype, device=device)  # (E,) its advantage
+    pending = torch.zeros(E, dtype=dtype, device=device)  # (E,) rewards of later empty replies
+    for t in range(T - 1, -1, -1):
+        alive = 1.0 - dones[t].to(dtype)  # (E,)
+        next_value, next_adv, pending = next_value * alive, next_adv * alive, pending * alive
+        for n in range(N - 1, -1, -1):
+            v, m, length = token_values[t, :, n], mask[t, :, n], lengths[t, :, n]  # (E, L), (E, L), (E,)
+            last = (pos.unsqueeze(0) == (length - 1).unsqueeze(1)).to(dtype)  # (E, L) one-hot of the last real token
+            v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * (1 - last) + next_value.unsqueeze(1) * last
+            discount = token_gamma * (1 - last) + gamma * last
+            reward = (rewards[t, :, n] + pending).unsqueeze(1) * last
+            delta = (reward + discount * v_next - v) * m  # (E, L)
+            carry_power = within ** (length.unsqueeze(1) - 1 - pos.unsqueeze(0)).clamp(min=0).to(dtype)  # (E, L)
+            adv = (delta @ W.T + carry_power * gamma * gae_lambda * next_adv.unsqueeze(1)) * m  # (E, L)
+            advantages[t, :, n] = adv
+            real = length > 0
+            next_value = torch.where(real, v[:, 0], next_value)
+            next_adv = torch.where(real, adv[:, 0], next_adv)
+            pending = torch.where(real, torch.zeros_like(pending), pending + rewards[t, :, n])
+    return advantages, (advantages + token_values) * mask

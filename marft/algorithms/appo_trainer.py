@@ -3,6 +3,11 @@
 An agent's whole reply is one action; its log-prob is the (normalised) sum of
 its token log-probs. Each agent's optimizer holds exactly its own adapter's
 parameters, and ``agent_iteration_interval`` trains one agent at a time.
+
+The update loop (schedule, minibatches, gradient accumulation, clipping, skips)
+lives here once; the token-level trainer (``tppo_trainer.py``) overrides only the
+algorithm hooks: ``compute_advantages``, ``normalized_advantages``, ``policy_loss``
+and ``value_loss``.
 """
 
 from __future__ import annotations
@@ -45,13 +50,47 @@ class APPOTrainer:
             return list(range(self.team.n_agents))
         return [((iteration - self.config.warmup_steps) // interval) % self.team.n_agents]
 
+    # ------------------------------------------------------------------ algorithm hooks
+    token_level = False
+    """Whether the rollout must value every reply token (MARFT-T) or only each prompt (MARFT-A)."""
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> None:
+        """Action level: GAE along the agent chain, one advantage per reply."""
+        buffer.compute_advantages(self.config.gamma, self.config.gae_lambda)
+
+    def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Standardise one agent's advantages over its batch (when ``normalize_advantages``)."""
+        advantages = samples["advantages"]  # (B,)
+        if self.config.normalize_advantages and advantages.numel() > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        return {**samples, "advantages": advantages}
+
+    def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Clipped surrogate on whole-reply log-probs. Returns ``(policy_loss, entropy, stats)``."""
+        cfg = self.config
+        token_logp, token_entropy = self.team.response_logprobs(
+            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
+        )  # (B, L), (B, L)
+        mask = mb["response_mask"].float()
+        new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)  # (B,)
+        old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
+        loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
+        entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        return loss, entropy, stats
+
+    def value_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Clipped value loss of the prompt values."""
+        cfg = self.config
+        values = self.team.values(mb["prompt_ids"], mb["prompt_mask"])  # (B,)
+        return clipped_value_loss(values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
+
     # ------------------------------------------------------------------ update
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
         """Critic update on every agent turn, then a policy update for each scheduled agent."""
-        metrics = self.update_critic(buffer.critic_samples())
+        metrics = self.update_critic(buffer.critic_samples(self.token_level))
         for agent in self.agents_to_train(iteration):
             role = self.team.profile[agent].role
-            for key, value in self.update_policy(agent, buffer.agent_samples(agent)).items():
+            for key, value in self.update_policy(agent, buffer.agent_samples(agent, self.token_level)).items():
                 metrics[f"agent_{role}/{key}"] = value
         self.team.set_active(None)
         return metrics
@@ -81,11 +120,8 @@ class APPOTrainer:
         optimizer = self.policy_optimizers[adapter]
         params = team.adapter_parameters(adapter)
         team.set_active(adapter, trainable=True)
-        advantages = samples["advantages"]
-        if cfg.normalize_advantages and advantages.numel() > 1:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
-        samples = {**samples, "advantages": advantages}
-        n = advantages.shape[0]
+        samples = self.normalized_advantages(samples)
+        n = samples["prompt_ids"].shape[0]
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
@@ -93,14 +129,7 @@ class APPOTrainer:
                 loss_ok = True
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
-                    token_logp, token_entropy = team.response_logprobs(
-                        adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
-                    )
-                    mask = mb["response_mask"].float()
-                    new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)
-                    old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)
-                    policy_loss, pstats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
-                    entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+                    policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
                     loss = (policy_loss - cfg.entropy_coef * entropy) * (len(chunk) / len(indices))
                     if not torch.isfinite(loss):
                         loss_ok = False
@@ -123,17 +152,14 @@ class APPOTrainer:
         cfg, team = self.config, self.team
         params = team.critic_parameters()
         team.set_active("critic", trainable=True)
-        n = samples["returns"].shape[0]
+        n = samples["prompt_ids"].shape[0]
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
             for indices, chunks in self._minibatches(n):
                 loss_ok = True
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
-                    values = team.values(mb["prompt_ids"], mb["prompt_mask"])
-                    value_loss = clipped_value_loss(
-                        values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta
-                    )
+                    value_loss = self.value_loss(mb)
                     loss = cfg.value_loss_coef * value_loss * (len(chunk) / len(indices))
                     if not torch.isfinite(loss):
                         loss_ok = False
@@ -141,7 +167,11 @@ class APPOTrainer:
                     loss.backward()
                     stats["value_loss"].append(value_loss.item())
                 stats["grad_norm"].append(self._step(self.critic_optimizer, params, loss_ok))
-        returns, values = samples["returns"], samples["values"]
+        if self.token_level:
+            real = samples["response_mask"].bool()
+            returns, values = samples["token_returns"][real], samples["token_values"][real]
+        else:
+            returns, values = samples["returns"], samples["values"]
         explained = 1 - (returns - values).var() / returns.var().clamp(min=1e-8)
         return {
             "critic/value_loss": _nanmean(stats["value_loss"]),

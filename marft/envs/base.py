@@ -169,6 +169,14 @@ class MultiAgentTextEnv(gym.Env):
             history += format_turn(JUDGE_ROLE, outcome.feedback)
         return replace(state, history=history, step=step, terminated=terminated, truncated=truncated, outcome=outcome)
 
+    def private_observations(self) -> list[str]:
+        """What each agent alone sees in the current state, one text per agent ("" = nothing).
+
+        The team puts agent i's text right after its role header. Override it for partially
+        observable tasks (e.g. a key only the first agent knows); the default shares everything.
+        """
+        return [""] * self.n_agents
+
     # ---- gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:

@@ -10,7 +10,9 @@ P = max prompt length, L = max_new_tokens):
 * ``rewards``                      (T, E, N)
 * ``dones``                        (T, E)        the episode ended after step t
 * ``n_words``                      (T, E, N)     words in each decoded reply (for ``normalization_mode=word``)
-* ``advantages, returns``          (T, E, N)     filled by :meth:`compute_advantages`
+* ``advantages, returns``          (T, E, N)     action level, filled by :meth:`compute_advantages`
+* ``token_values``                 (T, E, N, L)  token-level critic values at sampling time (MARFT-T)
+* ``token_advantages, token_returns`` (T, E, N, L) token level, filled by :meth:`compute_token_advantages`
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from marft.agents.team import TurnOutput
-from marft.algorithms.advantages import agent_chain_gae
+from marft.algorithms.advantages import agent_chain_gae, token_chain_gae
 
 
 class RolloutBuffer:
@@ -36,6 +38,9 @@ class RolloutBuffer:
         self.n_words = torch.zeros((T, E, N))
         self.advantages = torch.zeros((T, E, N))
         self.returns = torch.zeros((T, E, N))
+        self.token_values = torch.zeros((T, E, N, L))
+        self.token_advantages = torch.zeros((T, E, N, L))
+        self.token_returns = torch.zeros((T, E, N, L))
 
     def insert_turn(self, step: int, agent: int, turn: TurnOutput) -> None:
         """Store one agent's turn for all envs; its prompt is right-aligned (left padding kept)."""
@@ -47,6 +52,8 @@ class RolloutBuffer:
         self.response_mask[step, :, agent] = turn.response_mask.cpu()
         self.logprobs[step, :, agent] = turn.logprobs.float().cpu()
         self.values[step, :, agent] = turn.values.float().cpu()
+        if turn.token_values is not None:
+            self.token_values[step, :, agent] = turn.token_values.float().cpu()
         self.n_words[step, :, agent] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
 
     def insert_step(self, step: int, rewards, dones) -> None:
@@ -57,21 +64,38 @@ class RolloutBuffer:
     def compute_advantages(self, gamma: float, gae_lambda: float) -> None:
         self.advantages, self.returns = agent_chain_gae(self.rewards, self.values, self.dones, gamma, gae_lambda)
 
-    def agent_samples(self, agent: int) -> dict[str, torch.Tensor]:
+    def compute_token_advantages(self, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float) -> None:
+        self.token_advantages, self.token_returns = token_chain_gae(
+            self.rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.dones,
+            gamma, gae_lambda, token_gamma, token_gae_lambda,
+        )
+
+    ACTION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
+    TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
+
+    def agent_samples(self, agent: int, token_level: bool = False) -> dict[str, torch.Tensor]:
         """One agent's turns flattened over (T, E): every tensor gets a leading dim of T·E."""
-        fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
+        fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
         samples = {name: getattr(self, name)[:, :, agent].flatten(0, 1) for name in fields}
-        samples["values"] = self.values[:-1, :, agent].flatten(0, 1)
+        if not token_level:
+            samples["values"] = self.values[:-1, :, agent].flatten(0, 1)
         return samples
 
-    def critic_samples(self) -> dict[str, torch.Tensor]:
-        """Every agent turn's prompt, value and return, flattened over (T, E, N)."""
+    def critic_samples(self, token_level: bool = False) -> dict[str, torch.Tensor]:
+        """Every agent turn flattened over (T, E, N): prompts with values and returns
+        (token level: also the replies with per-token values and returns)."""
+        if token_level:
+            fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
+            return {name: getattr(self, name).flatten(0, 2) for name in fields}
         return {
             "prompt_ids": self.prompt_ids.flatten(0, 2),
             "prompt_mask": self.prompt_mask.flatten(0, 2),
             "values": self.values[:-1].flatten(0, 2),
             "returns": self.returns.flatten(0, 2),
         }
+
+
+RESPONSE_FIELDS = ("response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
 
 
 def trim_batch(samples: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
@@ -85,6 +109,7 @@ def trim_batch(samples: dict[str, torch.Tensor], device) -> dict[str, torch.Tens
     if "response_mask" in samples:
         used = samples["response_mask"].any(0).nonzero()
         end = int(used[-1]) + 1 if len(used) else 1
-        for name in ("response_ids", "response_mask", "logprobs"):
-            out[name] = samples[name][:, :end]
+        for name in RESPONSE_FIELDS:
+            if name in samples:
+                out[name] = samples[name][:, :end]
     return {k: v.to(device) for k, v in out.items()}

@@ -66,8 +66,9 @@ class Runner:
         start = time.perf_counter()
         for step in range(T):
             turns = [[] for _ in range(E)]  # (role, reply) of the agents that already spoke, per env
+            private = [env.private_observations() for env in self.envs.envs]  # (E, N) texts
             for agent in range(N):
-                out = team.act(agent, self.obs, turns)
+                out = team.act(agent, self.obs, turns, [p[agent] for p in private], token_values=self.trainer.token_level)
                 buffer.insert_turn(step, agent, out)
                 tokens += int(out.response_mask.sum())
                 for e in range(E):
@@ -83,7 +84,8 @@ class Runner:
                     finished_correct.append(float(final_info["correct"]))
                 self.episode_returns[e] = 0.0
         with torch.no_grad():
-            prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)])
+            private = [env.private_observations()[0] for env in self.envs.envs]
+            prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
             buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask).float().cpu()
         seconds = time.perf_counter() - start
         self.env_steps += T * E
@@ -122,8 +124,9 @@ class Runner:
             last_correct = np.zeros(len(batch))
             while live:
                 turns = [[] for _ in live]
+                private = [envs[i].private_observations() for i in live]
                 for agent in range(team.n_agents):
-                    out = team.act(agent, [obs[i] for i in live], turns)
+                    out = team.act(agent, [obs[i] for i in live], turns, [p[agent] for p in private])
                     for j in range(len(live)):
                         turns[j].append((self.roles[agent], out.texts[j]))
                 still_live = []
@@ -163,7 +166,7 @@ class Runner:
         for iteration in bar:
             start = time.perf_counter()
             buffer, stats = self.collect()
-            buffer.compute_advantages(self.config.algo.gamma, self.config.algo.gae_lambda)
+            self.trainer.compute_advantages(buffer)
             metrics = self.trainer.update(buffer, iteration)
             stats["charts/iteration_seconds"] = time.perf_counter() - start
             stats["charts/env_steps"] = self.env_steps

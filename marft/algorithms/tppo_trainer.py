@@ -1,0 +1,51 @@
+"""MARFT-T: token-level multi-agent PPO (``--algorithm_name TPPO``).
+
+Every reply token is an action. The critic values the state before each token
+(same critic adapter and value head as MARFT-A, read at every reply position),
+advantages come from :func:`token_chain_gae`, and the PPO and value losses are
+averaged over real tokens only. Everything else — schedule, optimizers,
+minibatches, skips — is inherited from :class:`APPOTrainer`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from marft.algorithms.appo_trainer import APPOTrainer
+from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss
+from marft.runner.shared.buffer import RolloutBuffer
+
+
+class TPPOTrainer(APPOTrainer):
+    token_level = True
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> None:
+        cfg = self.config
+        buffer.compute_token_advantages(cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda)
+
+    def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Standardise token advantages over the real tokens of one agent's batch."""
+        advantages, mask = samples["token_advantages"], samples["response_mask"].bool()  # (B, L)
+        if self.config.normalize_advantages and mask.sum() > 1:
+            real = advantages[mask]
+            advantages = torch.where(mask, (advantages - real.mean()) / (real.std() + 1e-8), torch.zeros_like(advantages))
+        return {**samples, "token_advantages": advantages}
+
+    def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Per-token clipped surrogate and entropy, averaged over real tokens. ``mb`` tensors are (B, L)."""
+        token_logp, token_entropy = self.team.response_logprobs(
+            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
+        )  # (B, L), (B, L)
+        mask = mb["response_mask"].float()
+        loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], mb["token_advantages"], self.config.clip_param, weights=mask)
+        entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
+        return loss, entropy, stats
+
+    def value_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Clipped value loss of every real reply token's value."""
+        cfg = self.config
+        values = self.team.token_values(mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"])  # (B, L)
+        return clipped_value_loss(
+            values, mb["token_values"], mb["token_returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta,
+            weights=mb["response_mask"].float(),
+        )
