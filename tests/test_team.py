@@ -203,3 +203,23 @@ def test_tppo_raises_the_logprob_of_advantaged_tokens(random_model_dir):
         new, _ = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"])
     delta = new.sum(-1) - s["logprobs"].sum(-1)
     assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
+
+
+def test_one_base_model_whatever_the_team_size(random_model_dir):
+    """Adding agents adds only their adapters: base parameters are stored once."""
+
+    def sizes(profile_name, n_agents, shared=False):
+        config = ModelConfig(model_name_or_path=random_model_dir, max_new_tokens=6, context_window=1024, shared_lora=shared)
+        model, tokenizer = load_base_model(config)
+        team = AgentTeam(model, tokenizer, load_profile(profile_name, n_agents=n_agents), config)
+        base = sum(p.numel() for n, p in team.model.named_parameters() if "lora_" not in n)
+        adapter = sum(p.numel() for n, p in team.model.named_parameters() if "lora_" in n)
+        return base, adapter, len(team.adapter_parameters(team.agent_adapters[0]))
+
+    base2, adapters2, per_agent = sizes("reasoner_actor", 2)
+    base4, adapters4, _ = sizes("planner_solver_reflector_verifier", 4)
+    base4_shared, adapters4_shared, _ = sizes("planner_solver_reflector_verifier", 4, shared=True)
+    assert base2 == base4 == base4_shared
+    assert adapters4 * 3 == adapters2 * 5  # 2 agents + critic = 3 adapters; 4 agents + critic = 5
+    assert adapters4_shared * 3 == adapters2 * 2  # one shared adapter + critic
+    assert per_agent > 0
