@@ -171,7 +171,7 @@ class RunnerConfig:
     eval_interval: int = 0
     """Evaluate on held-out problems every this many iterations (0: only before and after training)."""
     eval_episodes: int = 200
-    """Held-out episodes per evaluation (at most the size of the test split)."""
+    """Held-out episodes per evaluation; with more episodes than test problems, problems are revisited."""
     n_eval_threads: int = 50
     """Parallel environments during evaluation."""
     load_path: Optional[str] = None

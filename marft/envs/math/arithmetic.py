@@ -21,7 +21,7 @@ def arithmetic_problem(a: int, op: str, b: int) -> dict:
 
 def generate_arithmetic(
     split: str = "train",
-    max_operand: int = 20,
+    max_operand: int = 9,
     operators: str = "+-",
     test_fraction: float = 0.2,
     seed: int = 0,

@@ -100,23 +100,29 @@ class Runner:
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, n_episodes: int | None = None) -> dict[str, float]:
+        """Held-out evaluation on its own RNG stream, so evaluating never changes what training samples."""
+        devices = [self.team.device] if self.team.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.config.runner.seed + 1_000_000)
+            return self._evaluate(n_episodes)
+
+    def _evaluate(self, n_episodes: int | None = None) -> dict[str, float]:
         """Play held-out episodes with the current team (sampling as in training).
 
-        Environments that expose ``num_problems`` are evaluated on problems ``0..n-1`` in order;
-        others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
+        Environments that expose ``num_problems`` are evaluated on problems ``k % num_problems``
+        for episodes ``k = 0..n-1`` (more episodes than problems revisit them with fresh samples,
+        which lowers the variance of the estimate); others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
         whose last step was correct, when the env reports ``correct``) and mean team ``return``.
         """
         rc, team = self.config.runner, self.team
         probe = self.make_eval_env()
         n = n_episodes or rc.eval_episodes
-        if hasattr(probe, "num_problems"):
-            n = min(n, probe.num_problems)
         envs = [probe] + [self.make_eval_env() for _ in range(min(rc.n_eval_threads, n) - 1)]
         returns, correct = [], []
         for first in range(0, n, len(envs)):
             batch = list(range(first, min(first + len(envs), n)))
             obs = [
-                env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k} if hasattr(env, "num_problems") else None)[0]
+                env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k % env.num_problems} if hasattr(env, "num_problems") else None)[0]
                 for env, k in zip(envs, batch)
             ]
             live = list(range(len(batch)))

@@ -1,0 +1,243 @@
+"""The embedded default model: a tiny Qwen2-style LM the project builds itself.
+
+Nothing can be downloaded here, so ``--model_name_or_path marft-tiny`` (the default)
+builds, once, a small causal LM and a BPE tokenizer trained with ``tokenizers``, and
+warm-starts it with a short supervised pass on Reasoner → Actor arithmetic
+transcripts written exactly as the team will prompt it (``marft.prompting``). The
+warm-start labels are deliberately noisy (the Reasoner is sometimes off by a little,
+the Actor sometimes miscopies), so the sampled team is right only part of the time
+and RL has signal to improve on. The result is cached under ``$MARFT_CACHE`` (default
+``~/.cache/marft``) in a folder named after a hash of the recipe, written atomically.
+
+``build_random_model`` saves an untrained model of any size in a second, for tests
+and benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+TINY_MODEL_NAME = "marft-tiny"
+EOS = "<|endoftext|>"
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "envs" / "profiles"
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that decides the embedded model; its hash names the cache folder."""
+
+    vocab_size: int = 1024
+    """BPE vocabulary size (digits are always single tokens)."""
+    hidden_size: int = 64
+    """Transformer width."""
+    num_layers: int = 3
+    """Transformer blocks."""
+    num_heads: int = 4
+    """Attention heads (2 key/value heads)."""
+    sft_steps: int = 1000
+    """Supervised warm-start steps."""
+    sft_batch_size: int = 32
+    """Transcripts per warm-start step."""
+    sft_lr: float = 3e-3
+    """Warm-start learning rate (AdamW, cosine decay)."""
+    reasoner_correct: float = 0.55
+    """Share of warm-start Reasoner replies with the right result (others are off by 1-3)."""
+    actor_copies: float = 0.85
+    """Share of warm-start Actor replies that box the Reasoner's result (others are off by 1)."""
+    seed: int = 0
+    """Seed of the tokenizer corpus, the initial weights and the warm-start data."""
+    version: int = 1
+    """Bump to force a rebuild when the code below changes."""
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------------- tokenizer and model
+def train_tokenizer(texts, vocab_size: int = 1024):
+    """A byte-level BPE tokenizer with single-digit tokens and ``<|endoftext|>`` as EOS and PAD."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(list(texts), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False)
+
+
+def _qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 3,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+
+
+def _corpus_texts(seed: int = 0) -> list[str]:
+    """Profile prompts, arithmetic transcripts and judge feedback: what the tokenizer should know."""
+    from marft.envs.math.arithmetic import generate_arithmetic
+
+    texts = [json.dumps(json.loads(p.read_text())) for p in sorted(PROFILES_DIR.glob("*.json"))]
+    for spec_file in sorted(PROFILES_DIR.glob("*.json")):
+        texts += [entry.get("prompt", "") + "\n" + entry.get("role", "") + ":" for entry in json.loads(spec_file.read_text())]
+    rng = np.random.default_rng(seed)
+    for row in generate_arithmetic("train") + generate_arithmetic("test"):
+        texts.append(_transcript(row, rng, 1.0, 1.0))
+    texts.append("Judge: The answer is incorrect. Please check the reasoning and try again.\n")
+    return texts
+
+
+def build_random_model(path: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, vocab_size: int = 512, seed: int = 0) -> str:
+    """Save an UNTRAINED Qwen2-style model + tokenizer to ``path`` (seconds); return ``path``."""
+    from transformers import Qwen2ForCausalLM
+
+    tokenizer = train_tokenizer(_corpus_texts(seed), vocab_size)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(_qwen2_config(tokenizer, hidden_size, num_layers, num_heads))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+# ---------------------------------------------------------------------- warm-start data
+def _off_by(value: int, rng, low: int = 1, high: int = 3) -> int:
+    return value + int(rng.choice([-1, 1])) * int(rng.integers(low, high + 1))
+
+
+def _transcript(row: dict, rng, reasoner_correct: float, actor_copies: float) -> tuple[str, str] | str:
+    """The Reasoner's and Actor's replies for one problem (as one text when both rates are 1)."""
+    a, op, b = row["problem"].removeprefix("What is ").removesuffix("?").split()
+    answer = int(row["answer"])
+    result = answer if rng.random() < reasoner_correct else _off_by(answer, rng)
+    reasoning = f"{a} {op} {b} = {result}"
+    boxed = result if rng.random() < actor_copies else _off_by(result, rng, 1, 1)
+    final = f"\\boxed{{{boxed}}}"
+    if reasoner_correct == 1.0 and actor_copies == 1.0:
+        return f"Problem: {row['problem']}\nReasoner: {reasoning}\nActor: {final}\n"
+    return reasoning, final
+
+
+def _sft_examples(tokenizer, recipe: TinyRecipe, rng) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reply ids + EOS) pairs for both agents, tokenised exactly like ``AgentTeam``."""
+    from marft.envs.math.arithmetic import generate_arithmetic
+    from marft.envs.profile import load_profile
+    from marft.prompting import build_prompt, format_problem
+
+    reasoner, actor = load_profile("reasoner_actor", n_agents=2)
+    enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+    examples = []
+    for row in generate_arithmetic("train") + generate_arithmetic("test"):
+        history = format_problem(row["problem"])
+        reasoning, final = _transcript(row, rng, recipe.reasoner_correct, recipe.actor_copies)
+        for spec, turns, reply in ((reasoner, [], reasoning), (actor, [(reasoner.role, reasoning)], final)):
+            header, body = build_prompt(spec.prompt, history, turns, spec.role)
+            examples.append((enc(header) + enc(body), enc(" " + reply) + [tokenizer.eos_token_id]))
+    return examples
+
+
+def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
+    """Supervised pass on fresh noisy transcripts each epoch; loss on reply tokens only. Returns the last loss."""
+    rng = np.random.default_rng(recipe.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * min(s / recipe.sft_steps, 1.0))))
+    examples: list = []
+    model.train()
+    loss_value = float("nan")
+    for step in range(recipe.sft_steps):
+        if len(examples) < recipe.sft_batch_size:
+            examples = _sft_examples(tokenizer, recipe, rng)
+            examples = [examples[i] for i in rng.permutation(len(examples))]
+        batch, examples = examples[: recipe.sft_batch_size], examples[recipe.sft_batch_size :]
+        width = max(len(p) + len(r) for p, r in batch)
+        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
+        labels = torch.full((len(batch), width), -100)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, (prompt, reply) in enumerate(batch):  # right padding: positions start at 0 for every row
+            n = len(prompt) + len(reply)
+            ids[i, :n] = torch.tensor(prompt + reply)
+            labels[i, len(prompt) : n] = torch.tensor(reply)
+            mask[i, :n] = 1
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()
+        if step % 100 == 0:
+            logger.info("tiny model warm-start step %d/%d: loss %.3f", step, recipe.sft_steps, loss_value)
+    model.eval()
+    return loss_value
+
+
+def build_tiny_model(path: str, recipe: TinyRecipe = TinyRecipe()) -> str:
+    """Train the tokenizer, initialise the model and warm-start it; save to ``path``."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(recipe.seed)
+    tokenizer = train_tokenizer(_corpus_texts(recipe.seed), recipe.vocab_size)
+    model = Qwen2ForCausalLM(_qwen2_config(tokenizer, recipe.hidden_size, recipe.num_layers, recipe.num_heads))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    loss = _warm_start(model, tokenizer, recipe)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Path(path, "marft_recipe.json").write_text(json.dumps({**dataclasses.asdict(recipe), "final_sft_loss": loss}, indent=2))
+    return path
+
+
+def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recipe: TinyRecipe = TinyRecipe()) -> str:
+    """The embedded model's folder, built on first use and cached (two processes never build it twice).
+
+    Args:
+        cache_dir: default ``$MARFT_CACHE`` or ``~/.cache/marft``.
+        rebuild: build again even when cached.
+        recipe: what to build (its hash names the folder).
+    """
+    root = Path(cache_dir or os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{TINY_MODEL_NAME}-{recipe.digest()}"
+    with open(root / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the folder built
+        if final.is_dir() and not rebuild:
+            return str(final)
+        tmp = root / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        start = time.perf_counter()
+        logger.info("building the embedded tiny model into %s (once; cached afterwards)", final)
+        build_tiny_model(str(tmp), recipe)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        logger.info("built the embedded tiny model in %.0fs", time.perf_counter() - start)
+    return str(final)

@@ -1,0 +1,45 @@
+"""The embedded tiny model: built from a config, deterministic, cached."""
+
+import os
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from marft.models.tiny import TinyRecipe, build_random_model, ensure_tiny_model
+
+QUICK = TinyRecipe(vocab_size=400, hidden_size=32, num_layers=1, num_heads=2, sft_steps=2, sft_batch_size=4)
+
+
+def test_random_model_loads_and_tokenizer_round_trips(random_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    assert model.config.vocab_size == len(tokenizer) and tokenizer.eos_token_id == tokenizer.pad_token_id
+    for text in ["Problem: What is 12 + 7?\n", "Actor: \\boxed{19}", " 3 - 15 = -12"]:
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        assert tokenizer.decode(ids) == text
+    pieces = tokenizer.convert_ids_to_tokens(tokenizer("1234", add_special_tokens=False).input_ids)
+    assert pieces == ["1", "2", "3", "4"]  # digits are single tokens
+
+
+def test_random_model_size_overrides(tmp_path):
+    path = build_random_model(str(tmp_path / "m"), hidden_size=48, num_layers=3)
+    config = AutoModelForCausalLM.from_pretrained(path).config
+    assert (config.hidden_size, config.num_hidden_layers) == (48, 3)
+
+
+def test_ensure_tiny_model_builds_once_and_caches(tmp_path):
+    first = ensure_tiny_model(str(tmp_path), recipe=QUICK)
+    stamp = os.path.getmtime(os.path.join(first, "model.safetensors"))
+    assert ensure_tiny_model(str(tmp_path), recipe=QUICK) == first
+    assert os.path.getmtime(os.path.join(first, "model.safetensors")) == stamp  # not rebuilt
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # no temp folder left behind
+    other = ensure_tiny_model(str(tmp_path), recipe=TinyRecipe(**{**QUICK.__dict__, "seed": 1}))
+    assert other != first  # a different recipe gets its own folder
+
+
+def test_tiny_model_is_deterministic(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    a = load_file(os.path.join(ensure_tiny_model(str(tmp_path / "a"), recipe=QUICK), "model.safetensors"))
+    b = load_file(os.path.join(ensure_tiny_model(str(tmp_path / "b"), recipe=QUICK), "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
