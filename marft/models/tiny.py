@@ -110,9 +110,9 @@ def _corpus_texts(seed: int = 0) -> list[str]:
     texts = [json.dumps(json.loads(p.read_text())) for p in sorted(PROFILES_DIR.glob("*.json"))]
     for spec_file in sorted(PROFILES_DIR.glob("*.json")):
         texts += [entry.get("prompt", "") + "\n" + entry.get("role", "") + ":" for entry in json.loads(spec_file.read_text())]
-    rng = np.random.default_rng(seed)
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
-        texts.append(_transcript(row, rng, 1.0, 1.0))
+        a, op, b = _operands(row)
+        texts.append(f"Problem: {row['problem']}\nReasoner: {a} {op} {b} = {row['answer']}\nActor: \\boxed{{{row['answer']}}}\n")
     texts.append("Judge: The answer is incorrect. Please check the reasoning and try again.\n")
     return texts
 
@@ -135,17 +135,18 @@ def _off_by(value: int, rng, low: int = 1, high: int = 3) -> int:
     return value + int(rng.choice([-1, 1])) * int(rng.integers(low, high + 1))
 
 
-def _transcript(row: dict, rng, reasoner_correct: float, actor_copies: float) -> tuple[str, str] | str:
-    """The Reasoner's and Actor's replies for one problem (as one text when both rates are 1)."""
-    a, op, b = row["problem"].removeprefix("What is ").removesuffix("?").split()
+def _operands(row: dict) -> list[str]:
+    """``"What is 3 + 4?"`` → ``["3", "+", "4"]``."""
+    return row["problem"].removeprefix("What is ").removesuffix("?").split()
+
+
+def _noisy_replies(row: dict, rng, reasoner_correct: float, actor_copies: float) -> tuple[str, str]:
+    """Warm-start replies of the Reasoner (``"3 + 4 = 7"``, sometimes off) and the Actor (``"\\boxed{7}"``)."""
+    a, op, b = _operands(row)
     answer = int(row["answer"])
     result = answer if rng.random() < reasoner_correct else _off_by(answer, rng)
-    reasoning = f"{a} {op} {b} = {result}"
     boxed = result if rng.random() < actor_copies else _off_by(result, rng, 1, 1)
-    final = f"\\boxed{{{boxed}}}"
-    if reasoner_correct == 1.0 and actor_copies == 1.0:
-        return f"Problem: {row['problem']}\nReasoner: {reasoning}\nActor: {final}\n"
-    return reasoning, final
+    return f"{a} {op} {b} = {result}", f"\\boxed{{{boxed}}}"
 
 
 def _sft_examples(tokenizer, recipe: TinyRecipe, rng) -> list[tuple[list[int], list[int]]]:
@@ -159,7 +160,7 @@ def _sft_examples(tokenizer, recipe: TinyRecipe, rng) -> list[tuple[list[int], l
     examples = []
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
         history = format_problem(row["problem"])
-        reasoning, final = _transcript(row, rng, recipe.reasoner_correct, recipe.actor_copies)
+        reasoning, final = _noisy_replies(row, rng, recipe.reasoner_correct, recipe.actor_copies)
         for spec, turns, reply in ((reasoner, [], reasoning), (actor, [(reasoner.role, reasoning)], final)):
             header, body = build_prompt(spec.prompt, history, turns, spec.role)
             examples.append((enc(header) + enc(body), enc(" " + reply) + [tokenizer.eos_token_id]))
