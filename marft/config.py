@@ -135,6 +135,8 @@ class AlgoConfig:
     """Train only the critic for this many first iterations."""
     agent_iteration_interval: int = 0
     """Train one agent at a time for this many iterations each, round-robin (0: all agents every iteration)."""
+    max_consecutive_skips: int = 10
+    """Stop training (pointing to the last good checkpoint) once one optimizer has skipped this many minibatches in a row for a non-finite loss or gradient (0: never stop)."""
 
     def __post_init__(self):
         if self.algorithm_name not in ("APPO", "TPPO"):
@@ -146,6 +148,8 @@ class AlgoConfig:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.agent_iteration_interval < 0:
             raise ValueError(f"--agent_iteration_interval must be >= 0, got {self.agent_iteration_interval}")
+        if self.max_consecutive_skips < 0:
+            raise ValueError(f"--max_consecutive_skips must be >= 0, got {self.max_consecutive_skips}")
 
 
 @dataclass
@@ -175,12 +179,16 @@ class RunnerConfig:
     n_eval_threads: int = 50
     """Parallel environments during evaluation."""
     load_path: Optional[str] = None
-    """A ``checkpoints/steps_<N>`` folder to resume from: adapters, critic, optimizers and step."""
+    """Resume from a ``checkpoints/steps_<N>`` folder, or from a run directory's latest complete checkpoint; flags not given are taken from the checkpoint's config."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
 
     def __post_init__(self):
         for name in ("n_rollout_threads", "episode_length", "n_eval_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.keep_checkpoints < 0:
+            raise ValueError(f"--keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
 
 
 @dataclass

@@ -28,8 +28,15 @@ def seed_everything(seed: int) -> None:
 
 
 def default_run_dir(config: TrainConfig) -> Path:
+    """``--output_dir``; else, when resuming, the run directory of the checkpoint; else a new timestamped one."""
     if config.runner.output_dir:
         return Path(config.runner.output_dir)
+    if config.runner.load_path:
+        from marft.runner.shared.checkpoint import find_checkpoint
+
+        checkpoint = find_checkpoint(config.runner.load_path)
+        if checkpoint.parent.name == "checkpoints":
+            return checkpoint.parent.parent
     return Path("results") / config.runner.experiment_name / time.strftime("%Y%m%d-%H%M%S")
 
 
@@ -59,8 +66,10 @@ def validate(config: TrainConfig):
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
     make_train_env, make_eval_env = build_env_factories(config, profile)
-    if config.runner.load_path and not Path(config.runner.load_path).exists():
-        raise FileNotFoundError(f"--load_path {config.runner.load_path} does not exist; pass a checkpoints/steps_<N> folder")
+    if config.runner.load_path:
+        from marft.runner.shared.checkpoint import find_checkpoint
+
+        find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory with a complete checkpoint
     return profile, make_train_env, make_eval_env
 
 
@@ -92,13 +101,23 @@ def train(config: TrainConfig, validated=None) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    config, _ = parse_config(argv)
+    config, given = parse_config(argv)
     try:
+        if config.runner.load_path:
+            from marft.runner.shared.checkpoint import resume_config
+
+            config = resume_config(config, given)  # flags not given come from the checkpoint
         validated = validate(config)
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    summary = train(config, validated)
+    from marft.faults import CheckpointError, TrainingStopped
+
+    try:
+        summary = train(config, validated)
+    except (CheckpointError, TrainingStopped) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     print(
         f"done in {summary['seconds']:.0f}s: accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
         f"run directory {summary['run_dir']}",

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 from peft import LoraConfig, get_peft_model
-from transformers import GenerationConfig
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.config import ModelConfig
 from marft.prompting import build_prompt, format_private
@@ -49,6 +49,30 @@ def reply_mask(response_ids: torch.Tensor, eos_id: int, generated: int) -> torch
     mask = (eos_before == 0).long()
     mask[:, generated:] = 0
     return mask
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Records, step by step inside ``generate``, the log-prob of each sampled token under the sampling
+    distribution (``masked_logits`` of the very logits that were sampled from), keeping one ``(B, V)`` row.
+
+    It sits before generate's temperature/top-k warpers, so it sees the raw logits, and returns them unchanged.
+    """
+
+    def __init__(self, masked_logits):
+        self.masked_logits = masked_logits
+        self.previous: torch.Tensor | None = None  # (B, V) log-probs of the step being sampled
+        self.steps: list[torch.Tensor] = []  # per sampled token: (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:  # input_ids now ends with the token sampled from ``previous``
+            self.steps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(self.masked_logits(scores), dim=-1)
+        return scores
+
+    def logprobs(self, response: torch.Tensor) -> torch.Tensor:
+        """Log-probs of the generated ``response (B, L')`` → ``(B, L')``."""
+        steps = self.steps + ([self.previous.gather(-1, response[:, -1:]).squeeze(-1)] if len(self.steps) < response.shape[1] else [])
+        return torch.stack(steps, dim=1)
 
 
 @dataclass
@@ -126,6 +150,9 @@ class AgentTeam(nn.Module):
                     f"({self.max_prompt_len} = --context_window - --max_new_tokens); raise --context_window"
                 )
         self.set_active(None)
+        self.logprobs_from_generate = next(base_model.parameters()).dtype == torch.float32
+        """Take rollout log-probs from generate's own logits (float32: they equal a scoring forward's to ~1e-6);
+        in half precision the cached and uncached forwards differ more, so replies are scored by a forward."""
 
     # ------------------------------------------------------------------ parameters
     @property
@@ -276,16 +303,25 @@ class AgentTeam(nn.Module):
 
     @torch.no_grad()
     def generate(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
-        """Sample replies. Returns ``response_ids (B, max_new_tokens)`` and ``response_mask`` (through the first EOS)."""
+        """Sample replies. Returns ``response_ids (B, max_new_tokens)``, ``response_mask`` (through the first EOS)
+        and ``logprobs (B, max_new_tokens)`` of the sampled tokens as generate sampled them (zero at padding),
+        or None unless ``logprobs_from_generate``."""
         self.model.set_adapter(adapter)
         B, P = prompt_ids.shape
+        scorer = SampledLogprobs(self.masked_logits) if self.logprobs_from_generate else None
         sequences = self.model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
+            logits_processor=LogitsProcessorList([scorer] if scorer else []),
         )
         response = sequences[:, P:]  # (B, L')
         response_ids = torch.full((B, self.config.max_new_tokens), self.pad_id, dtype=torch.long, device=prompt_ids.device)
         response_ids[:, : response.shape[1]] = response
-        return response_ids, reply_mask(response_ids, self.eos_id, response.shape[1])
+        response_mask = reply_mask(response_ids, self.eos_id, response.shape[1])
+        if scorer is None:
+            return response_ids, response_mask, None
+        logprobs = torch.zeros(response_ids.shape, dtype=torch.float32, device=prompt_ids.device)  # (B, L)
+        logprobs[:, : response.shape[1]] = scorer.logprobs(response)
+        return response_ids, response_mask, logprobs * response_mask
 
     @torch.no_grad()
     def act(
@@ -302,8 +338,9 @@ class AgentTeam(nn.Module):
         """
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private)
         adapter = self.agent_adapters[agent]
-        response_ids, response_mask = self.generate(adapter, prompt_ids, prompt_mask)
-        logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
+        response_ids, response_mask, logprobs = self.generate(adapter, prompt_ids, prompt_mask)
+        if logprobs is None:
+            logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
         texts = self.decode(response_ids, response_mask)
         if token_values:
             per_token = self.token_values(prompt_ids, prompt_mask, response_ids, response_mask)  # (B, L)

@@ -21,6 +21,7 @@ import torch
 from marft.agents.team import AgentTeam
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
 from marft.config import AlgoConfig
+from marft.faults import TrainingStopped
 from marft.runner.shared.buffer import RolloutBuffer, trim_batch
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,10 @@ class APPOTrainer:
         }
         self.critic_optimizer = torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0)
         self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0}
+        self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, "critic"]}
+        """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
+        self.iteration = 0
+        """The 0-based iteration being updated (for messages)."""
 
     # ------------------------------------------------------------------ schedule
     def agents_to_train(self, iteration: int) -> list[int]:
@@ -87,6 +92,7 @@ class APPOTrainer:
     # ------------------------------------------------------------------ update
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
         """Critic update on every agent turn, then a policy update for each scheduled agent."""
+        self.iteration = iteration
         metrics = self.update_critic(buffer.critic_samples(self.token_level))
         for agent in self.agents_to_train(iteration):
             role = self.team.profile[agent].role
@@ -101,14 +107,31 @@ class APPOTrainer:
         for indices in torch.randperm(n_samples).split(size):
             yield indices, indices.chunk(self.config.gradient_cp_steps)
 
-    def _step(self, optimizer, params, loss_ok: bool) -> float:
-        """Clip and apply the accumulated gradient; skip (and count) a non-finite one."""
+    def _step(self, optimizer, params, loss_ok: bool, name: str) -> float:
+        """Clip and apply the accumulated gradient of optimizer ``name``; skip (and count) a non-finite one.
+
+        Raises:
+            TrainingStopped: ``max_consecutive_skips`` minibatches of ``name`` were skipped in a row.
+        """
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
         if not loss_ok or not torch.isfinite(grad_norm):
             self.counters["skipped_minibatches"] += 1
-            logger.warning("skipped a minibatch with a non-finite loss or gradient (%d so far)", self.counters["skipped_minibatches"])
+            self.consecutive_skips[name] += 1
             optimizer.zero_grad(set_to_none=True)
+            logger.warning(
+                "iteration %d, %s: skipped a minibatch with a non-finite %s (%d in a row, %d in all)",
+                self.iteration + 1, name, "loss" if not loss_ok else "gradient",
+                self.consecutive_skips[name], self.counters["skipped_minibatches"],
+            )
+            limit = self.config.max_consecutive_skips
+            if limit and self.consecutive_skips[name] >= limit:
+                raise TrainingStopped(
+                    f"iteration {self.iteration + 1}: {name} skipped {limit} minibatches in a row for non-finite "
+                    f"losses or gradients (NaN/inf in logits, log-probs, values, advantages or losses; "
+                    f"--max_consecutive_skips {limit})."
+                )
             return float("nan")
+        self.consecutive_skips[name] = 0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
@@ -140,7 +163,7 @@ class APPOTrainer:
                     for key, value in pstats.items():
                         stats[key].append(value.item())
                     epoch_kl.append(pstats["approx_kl"].item())
-                stats["grad_norm"].append(self._step(optimizer, params, loss_ok))
+                stats["grad_norm"].append(self._step(optimizer, params, loss_ok, adapter))
             if cfg.target_kl is not None and epoch_kl and sum(epoch_kl) / len(epoch_kl) > cfg.target_kl:
                 self.counters["kl_early_stops"] += 1
                 logger.info("agent %d: approx KL %.4f > target %.4f, remaining epochs skipped", agent, sum(epoch_kl) / len(epoch_kl), cfg.target_kl)
@@ -166,7 +189,7 @@ class APPOTrainer:
                         break
                     loss.backward()
                     stats["value_loss"].append(value_loss.item())
-                stats["grad_norm"].append(self._step(self.critic_optimizer, params, loss_ok))
+                stats["grad_norm"].append(self._step(self.critic_optimizer, params, loss_ok, "critic"))
         if self.token_level:
             real = samples["response_mask"].bool()
             returns, values = samples["token_returns"][real], samples["token_values"][real]
@@ -185,13 +208,21 @@ class APPOTrainer:
             "policy_optimizers": {a: opt.state_dict() for a, opt in self.policy_optimizers.items()},
             "critic_optimizer": self.critic_optimizer.state_dict(),
             "counters": dict(self.counters),
+            "consecutive_skips": dict(self.consecutive_skips),
         }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore optimizer states and counters; learning rates come from the current config
+        (so ``--lr`` / ``--critic_lr`` may change on resume)."""
         for adapter, opt in self.policy_optimizers.items():
             opt.load_state_dict(state["policy_optimizers"][adapter])
+            for group in opt.param_groups:
+                group["lr"] = self.config.lr
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        for group in self.critic_optimizer.param_groups:
+            group["lr"] = self.config.critic_lr
         self.counters.update(state.get("counters", {}))
+        self.consecutive_skips.update(state.get("consecutive_skips", {}))
 
 
 def _nanmean(values: list[float]) -> float:

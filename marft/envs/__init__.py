@@ -2,6 +2,7 @@
 
     >>> from marft import envs
     >>> env = envs.make("math", dataset_path="arithmetic", horizon=2)
+    >>> env = envs.make("relay_sum", split="test")   # the cooperative toy task
 
 The same environments are registered with gymnasium (``gymnasium.make("marft/Math-v0")``).
 """
@@ -50,8 +51,9 @@ def make(name: str, **kwargs) -> MultiAgentTextEnv:
 
 
 register("math", "marft.envs.math.env:MathEnv")
+register("relay_sum", "marft.envs.cooperative:RelaySumEnv")
 
-GYM_IDS = {"math": "marft/Math-v0"}
+GYM_IDS = {"math": "marft/Math-v0", "relay_sum": "marft/RelaySum-v0"}
 """gymnasium ids of the registered environments."""
 for _name, _gym_id in GYM_IDS.items():
     if _gym_id not in gymnasium.registry:

@@ -23,7 +23,9 @@ replies; ``step`` only stores its result. ``state()`` is the global view for a c
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -32,6 +34,8 @@ import numpy as np
 from gymnasium import spaces
 
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
+
+logger = logging.getLogger(__name__)
 
 WIDE_CHARSET = "".join(chr(c) for c in range(0x10000) if not 0xD800 <= c < 0xE000)
 """Every character of the Unicode Basic Multilingual Plane except surrogates: ASCII with spaces,
@@ -107,6 +111,8 @@ class MultiAgentTextEnv(gym.Env):
     """Declared bound on the history length (characters)."""
     max_action_length = 1 << 17
     """Declared bound on one reply's length (characters)."""
+    failure_counters: tuple[str, ...] = ("reward_failures",)
+    """Attributes counting replies whose reward could not be computed (given reward 0); the runner logs their sum."""
 
     def __init__(self, roles: Sequence[str], horizon: int = 1):
         if not roles:
@@ -120,6 +126,7 @@ class MultiAgentTextEnv(gym.Env):
         action_text = text_space(self.max_action_length)
         self.action_space = spaces.Tuple([action_text] * self.n_agents)
         self.episode: EpisodeState | None = None
+        self.reward_failures = 0  # steps whose ``evaluate`` raised (reward 0, logged)
 
     # ---- hooks for subclasses
 
@@ -156,7 +163,11 @@ class MultiAgentTextEnv(gym.Env):
             episode goes on), ``step + 1``, the terminated/truncated flags and the outcome.
         """
         actions = self._check_actions(actions)
-        outcome = self.evaluate(state, actions)
+        try:
+            outcome = self.evaluate(state, actions)
+        except Exception as error:  # noqa: BLE001 - a broken reward function must not end training
+            info = {"correct": False, "reward_error": f"{type(error).__name__}: {error}"}
+            outcome = StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info=info)
         if len(outcome.rewards) != self.n_agents:
             raise ValueError(f"evaluate returned {len(outcome.rewards)} rewards for {self.n_agents} agents")
         history = state.history + "".join(format_turn(role, text) for role, text in zip(self.roles, actions))
@@ -206,6 +217,9 @@ class MultiAgentTextEnv(gym.Env):
             raise RuntimeError("call reset() before step() (the episode is over or never started)")
         self.episode = self.transition(self.episode, actions)
         outcome = self.episode.outcome
+        if "reward_error" in outcome.info:
+            self.reward_failures += 1
+            logger.warning("reward failed (reward 0, %d failures so far): %s", self.reward_failures, outcome.info["reward_error"])
         rewards = np.asarray(outcome.rewards, dtype=np.float32)  # (n_agents,)
         info = {"step": self.episode.step, **outcome.info}
         return self.episode.history, rewards, self.episode.terminated, self.episode.truncated, info
@@ -215,6 +229,34 @@ class MultiAgentTextEnv(gym.Env):
         if self.episode is None:
             raise RuntimeError("call reset() first")
         return self.episode.history
+
+    # ---- checkpoints
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly where the env stands, in JSON-safe form:
+        ``np_random`` (bit-generator state), ``episode`` (the ``EpisodeState`` fields, class name
+        under ``type``) and the failure counters."""
+        return {
+            "np_random": self.np_random.bit_generator.state,
+            "episode": None if self.episode is None else _episode_to_dict(self.episode),
+            "counters": {name: int(getattr(self, name)) for name in self.failure_counters},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (the env must be of the same class; after ``reset``,
+        the episode is rebuilt with the class of the current one)."""
+        rng_state = state["np_random"]
+        rng = np.random.Generator(getattr(np.random, rng_state["bit_generator"])())
+        rng.bit_generator.state = rng_state
+        self.np_random = rng
+        episode = state["episode"]
+        if episode is not None:
+            cls = type(self.episode) if self.episode is not None else EpisodeState
+            if episode["type"] != cls.__qualname__:
+                raise ValueError(f"saved episode state is a {episode['type']}, this environment uses {cls.__qualname__}")
+            self.episode = _episode_from_dict(cls, episode)
+        for name, value in state.get("counters", {}).items():
+            setattr(self, name, int(value))
 
     # ---- helpers
 
@@ -227,3 +269,30 @@ class MultiAgentTextEnv(gym.Env):
             if not isinstance(text, str):
                 raise TypeError(f"reply {i} ({self.roles[i]}) must be a str, got {type(text).__name__}")
         return tuple(actions)
+
+
+def _episode_to_dict(episode: EpisodeState) -> dict:
+    data = {f.name: getattr(episode, f.name) for f in dataclasses.fields(episode)}
+    if episode.outcome is not None:
+        data["outcome"] = {f.name: getattr(episode.outcome, f.name) for f in dataclasses.fields(episode.outcome)}
+        data["outcome"]["rewards"] = [float(r) for r in episode.outcome.rewards]
+        data["outcome"]["info"] = {k: _json_value(v) for k, v in episode.outcome.info.items()}
+    return {"type": type(episode).__qualname__, **data}
+
+
+def _episode_from_dict(cls: type, data: dict) -> EpisodeState:
+    data = {k: v for k, v in data.items() if k != "type"}
+    if data.get("outcome") is not None:
+        outcome = dict(data["outcome"])
+        outcome["rewards"] = tuple(outcome["rewards"])
+        data["outcome"] = StepOutcome(**outcome)
+    return cls(**data)
+
+
+def _json_value(value):
+    """numpy scalars and arrays as plain Python values; anything else unchanged."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value

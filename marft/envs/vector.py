@@ -80,6 +80,22 @@ class TextVectorEnv:
         dones = self.terminated | self.truncated  # (n_envs,)
         return observations, rewards, dones, infos
 
+    def state_dict(self) -> list[dict]:
+        """Per env, its :meth:`MultiAgentTextEnv.state_dict` (RNG, current episode, counters)."""
+        return [env.state_dict() for env in self.envs]
+
+    def load_state_dict(self, states: list[dict]) -> list[str]:
+        """Restore every env from :meth:`state_dict`; return the ``n_envs`` current observations."""
+        if len(states) != self.n_envs:
+            raise ValueError(f"saved states of {len(states)} envs, but there are {self.n_envs}")
+        for env, state in zip(self.envs, states):
+            env.load_state_dict(state)
+        return [env.episode.history for env in self.envs]
+
+    def failures(self) -> int:
+        """Steps, over all envs, whose reward could not be computed (graded 0)."""
+        return sum(int(getattr(env, name, 0)) for env in self.envs for name in env.failure_counters)
+
     def close(self) -> None:
         """Close every env."""
         for env in self.envs:

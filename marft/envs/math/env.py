@@ -46,6 +46,8 @@ class MathEnv(MultiAgentTextEnv):
         **dataset_kwargs: options for ``"arithmetic"`` (``max_operand``, ...).
     """
 
+    failure_counters = ("reward_failures", "grading_failures")
+
     def __init__(
         self,
         dataset_path: str | Path = ARITHMETIC,

@@ -19,8 +19,17 @@ from tqdm import tqdm
 
 from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
+from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
-from marft.runner.shared.checkpoint import load_checkpoint, save_checkpoint
+from marft.runner.shared.checkpoint import (
+    cleanup_partial_checkpoints,
+    config_changes,
+    find_checkpoint,
+    load_checkpoint,
+    read_checkpoint_meta,
+    resume_incompatibilities,
+    save_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +56,8 @@ class Runner:
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        cleanup_partial_checkpoints(self.checkpoint_dir)
+        self.last_checkpoint: Path | None = None  # the newest checkpoint saved or resumed from (to point to on a stop)
         (self.run_dir / "config.json").write_text(config.to_json())
         self.writer = SummaryWriter(str(self.run_dir / "logs"))
         self.writer.add_text("config", _markdown_table(config.to_dict()))
@@ -149,14 +160,66 @@ class Runner:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
-        state = {"iteration": iteration, "env_steps": self.env_steps}
-        return save_checkpoint(self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json())
+        """Checkpoint after ``iteration`` iterations: weights, optimizers, trainer state, RNG, env states
+        and the running episode returns (the data position). Non-finite weights stop training instead."""
+        state = {
+            "iteration": iteration,
+            "env_steps": self.env_steps,
+            "roles": self.roles,
+            "next_agents": self.trainer.agents_to_train(iteration),  # position in the agent schedule
+            "counters": dict(self.trainer.counters),
+            "episode_returns": self.episode_returns.tolist(),
+            "envs": self.envs.state_dict(),
+        }
+        try:
+            path = save_checkpoint(
+                self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json(), keep=self.config.runner.keep_checkpoints
+            )
+        except CheckpointError as error:
+            raise TrainingStopped(f"{error}. {self._resume_hint()}") from error
+        self.last_checkpoint = path
+        return path
 
     def restore(self, path: str | Path) -> None:
+        """Continue from a checkpoint (or a run directory's latest): check the config fits, load
+        everything, put every env back into its episode, and log the flags that changed."""
+        path = find_checkpoint(path)
+        saved_config, saved_state = read_checkpoint_meta(path)
+        problems = resume_incompatibilities(saved_config, saved_state.get("roles"), self.config, self.roles)
+        if problems:
+            raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
         state = load_checkpoint(path, self.team, self.trainer)
         self.start_iteration = int(state["iteration"])
         self.env_steps = int(state["env_steps"])
+        self.last_checkpoint = path
+        for name, (old, new) in config_changes(saved_config, self.config).items():
+            logger.info("resuming with --%s changed: %r in the checkpoint, %r now", name, old, new)
+        same_envs = saved_config.get("env", {}).get("env_name") == self.config.env.env_name
+        if "envs" in state and same_envs and len(state["envs"]) == self.envs.n_envs:
+            self.obs = self.envs.load_state_dict(state["envs"])
+            self.episode_returns = np.asarray(state["episode_returns"], dtype=np.float64)
+        else:
+            logger.warning("environment states not restored (older checkpoint, or env or thread count changed): fresh episodes")
+        # Later TensorBoard events replace those a crashed run logged after this checkpoint.
+        self.writer.close()
+        self.writer = SummaryWriter(str(self.run_dir / "logs"), purge_step=self.start_iteration + 1)
         logger.info("resumed from %s at iteration %d", path, self.start_iteration)
+
+    def _resume_hint(self) -> str:
+        if self.last_checkpoint is None:
+            return "No checkpoint was saved in this run yet (--save_interval saves along the way)."
+        return f"The last good checkpoint is {self.last_checkpoint}: resume with --load_path {self.last_checkpoint} (perhaps with a lower --lr)."
+
+    def _update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
+        """``trainer.update``, with a stop pointing to the last good checkpoint and OOM errors that say what to change."""
+        try:
+            return self.trainer.update(buffer, iteration)
+        except TrainingStopped as error:
+            self.writer.add_scalar("counters/skipped_minibatches", self.trainer.counters["skipped_minibatches"], iteration + 1)
+            self.writer.flush()
+            raise TrainingStopped(f"Training stopped: {error} {self._resume_hint()}") from error
+        except torch.OutOfMemoryError as error:
+            raise torch.OutOfMemoryError(oom_message(self.config, iteration, self.team.n_agents, self.trainer.token_level) + f" ({error})") from error
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
@@ -173,11 +236,12 @@ class Runner:
             start = time.perf_counter()
             buffer, stats = self.collect()
             self.trainer.compute_advantages(buffer)
-            metrics = self.trainer.update(buffer, iteration)
+            metrics = self._update(buffer, iteration)
             stats["charts/iteration_seconds"] = time.perf_counter() - start
             stats["charts/env_steps"] = self.env_steps
             for key, value in self.trainer.counters.items():
                 stats[f"counters/{key}"] = value
+            stats["counters/reward_failures"] = self.envs.failures()
             if rc.log_interval and (iteration + 1) % rc.log_interval == 0:
                 for key, value in {**stats, **_loss_tags(metrics)}.items():
                     self.writer.add_scalar(key, value, iteration + 1)

@@ -1,0 +1,148 @@
+"""``RelaySumEnv``: a cooperative toy task with a known optimum (registered as ``relay_sum``).
+
+The team must add a hidden key to a public number. Only the first agent (the *keeper*,
+the Reasoner of ``reasoner_actor``) sees the key, in its private observation; only the
+answering agent's (the Actor's) reply is graded. So the answer can reach the box only if
+the keeper passes the key on and the answerer uses it::
+
+    Reasoner's prompt                    Actor's prompt
+    <Reasoner role header>               <Actor role header>
+    x = 7                                Problem: What is x + 5?
+                                         Reasoner: 7 + 5 = 12
+    Problem: What is x + 5?              Actor:
+    Reasoner:                            -> "\\boxed{12}" earns 1.0 for every agent
+
+* Optimum: 100 % (the keeper writes ``<key> + <b> = <key + b>``, the answerer boxes it).
+* Without the key, the best an answerer can do is guess it: ``1 / n_keys`` (10 % by default);
+  uniformly random numbers in the answer range succeed about 5 % of the time.
+* The (key, number) pairs are split once, with a fixed seed, into a ``train`` and a ``test``
+  split that never share a pair, so evaluation is on held-out tasks.
+
+Rewards are exact: 1.0 for every agent when the last ``\\boxed{}`` of the answerer's reply is
+exactly the sum (e.g. ``12``, not ``12.0``), else 0.0. With ``horizon > 1`` a wrong answer gets
+judge feedback and the team tries again.
+
+This file is also the worked example of writing an environment: a task sampler, a grader
+(``evaluate``), and ``private_observations`` for what only one agent may see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
+from marft.envs.math.grader import last_boxed
+from marft.envs.profile import AgentSpec, answer_agent_index, load_profile
+
+FEEDBACK = "The answer is incorrect. Please try again."
+
+
+@dataclass(frozen=True)
+class RelayState(EpisodeState):
+    """An ``EpisodeState`` that also holds the hidden key (``transition`` keeps it via ``replace``)."""
+
+    key: int = 0
+    """The secret number only the keeper sees."""
+
+
+def relay_tasks(split: str = "train", n_keys: int = 10, max_number: int = 9, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
+    """All ``(key, number)`` pairs of one split, in a seeded order; ``train`` and ``test`` are disjoint.
+
+    Args:
+        split: ``"train"`` or ``"test"``.
+        n_keys: keys are ``0..n_keys-1``.
+        max_number: public numbers are ``0..max_number``.
+        test_fraction: share of all pairs in the test split.
+        seed: seed of the shuffle that decides the split.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    pairs = [(key, number) for key in range(n_keys) for number in range(max_number + 1)]
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    n_test = int(round(test_fraction * len(pairs)))
+    chosen = order[:n_test] if split == "test" else order[n_test:]
+    return [pairs[i] for i in chosen]
+
+
+class RelaySumEnv(MultiAgentTextEnv):
+    """The keeper (agent 0) must relay a hidden key so that the answerer can box ``key + number``.
+
+    Args:
+        split: ``"train"`` or ``"test"`` (disjoint sets of (key, number) pairs).
+        profile: profile path or shipped name, or a list of ``AgentSpec``; default ``reasoner_actor``.
+            The answering agent (last ``with_answer``) must not be agent 0, who holds the key.
+        n_agents: expected team size (checked against the profile).
+        horizon: attempts per episode; wrong answers get judge feedback until then.
+        n_keys: keys are ``0..n_keys-1``; guessing without the key succeeds ``1 / n_keys`` of the time.
+        max_number: public numbers are ``0..max_number``.
+        test_fraction: share of (key, number) pairs held out in the ``test`` split.
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        profile: str | Path | list[AgentSpec] | None = "reasoner_actor",
+        n_agents: int | None = None,
+        horizon: int = 1,
+        n_keys: int = 10,
+        max_number: int = 9,
+        test_fraction: float = 0.2,
+    ):
+        self.profile = list(profile) if isinstance(profile, list) else load_profile(profile, n_agents=n_agents)
+        if n_agents is not None and len(self.profile) != n_agents:
+            raise ValueError(f"profile has {len(self.profile)} agents but --n_agents is {n_agents}")
+        super().__init__([spec.role for spec in self.profile], horizon=horizon)
+        self.answer_index: int = answer_agent_index(self.profile)
+        if self.answer_index == 0:
+            raise ValueError("relay_sum needs a team where someone other than the first agent (the key keeper) answers")
+        if n_keys < 2:
+            raise ValueError(f"n_keys must be at least 2 (one key is no secret), got {n_keys}")
+        self.n_keys = n_keys
+        self.tasks: list[tuple[int, int]] = relay_tasks(split, n_keys, max_number, test_fraction)
+        if not self.tasks:
+            raise ValueError(f"the {split!r} split is empty; change test_fraction ({test_fraction})")
+
+    # ---- the three hooks a task needs
+
+    def sample_task(self, options: dict | None) -> dict:
+        """A (key, number) pair of this split drawn with ``self.np_random`` (or ``options["task_index"]``).
+
+        Returns:
+            dict: ``problem`` (public text), ``answer`` (``str(key + number)``), ``key``, ``number``.
+        """
+        index = int(options["task_index"]) if options and "task_index" in options else int(self.np_random.integers(len(self.tasks)))
+        key, number = self.tasks[index]
+        return {"problem": f"What is x + {number}?", "answer": str(key + number), "key": key, "number": number}
+
+    def initial_state(self, task: dict) -> RelayState:
+        base = super().initial_state(task)
+        return RelayState(problem=base.problem, answer=base.answer, history=base.history, key=int(task["key"]))
+
+    def private_observations(self) -> list[str]:
+        """The keeper sees ``x = <key>``; nobody else sees anything private."""
+        if self.episode is None:
+            raise RuntimeError("call reset() first")
+        return [f"x = {self.episode.key}"] + [""] * (self.n_agents - 1)
+
+    def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
+        """Exact match of the answerer's last ``\\boxed{}`` with the sum; one team reward for all agents.
+
+        Returns:
+            StepOutcome: rewards ``(1.0,)*n`` if correct else ``(0.0,)*n``; info holds ``correct``,
+            ``answer`` and ``predicted`` (last boxed content or None).
+        """
+        predicted = last_boxed(actions[self.answer_index])
+        correct = predicted == state.answer
+        reward = 1.0 if correct else 0.0
+        info = {"correct": correct, "answer": state.answer, "predicted": predicted}
+        return StepOutcome(rewards=(reward,) * self.n_agents, solved=correct, feedback=FEEDBACK, info=info)
+
+    # ---- the global view
+
+    def state(self) -> str:
+        """The critic's global view: the hidden key, then the shared history."""
+        history = super().state()
+        return f"x = {self.episode.key}\n{history}"
