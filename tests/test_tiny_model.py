@@ -43,3 +43,12 @@ def test_tiny_model_is_deterministic(tmp_path):
     a = load_file(os.path.join(ensure_tiny_model(str(tmp_path / "a"), recipe=QUICK), "model.safetensors"))
     b = load_file(os.path.join(ensure_tiny_model(str(tmp_path / "b"), recipe=QUICK), "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_random_model_vocab_texts_and_heads(tmp_path):
+    path = build_random_model(str(tmp_path / "m"), num_heads=2, vocab_size=300, vocab_texts=["What is 3 + 4?", "\\boxed{7}"])
+    config = AutoModelForCausalLM.from_pretrained(path).config
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert config.num_attention_heads == 2 and config.vocab_size == len(tokenizer) <= 300
+    assert tokenizer.decode(tokenizer("\\boxed{12}", add_special_tokens=False).input_ids) == "\\boxed{12}"
+

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -117,11 +118,23 @@ def _corpus_texts(seed: int = 0) -> list[str]:
     return texts
 
 
-def build_random_model(path: str, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, vocab_size: int = 512, seed: int = 0) -> str:
-    """Save an UNTRAINED Qwen2-style model + tokenizer to ``path`` (seconds); return ``path``."""
+def build_random_model(
+    path: str,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    vocab_size: int = 512,
+    seed: int = 0,
+    vocab_texts=None,
+) -> str:
+    """Save an UNTRAINED Qwen2-style model + tokenizer to ``path`` in a second or two; return ``path``.
+
+    For tests and benchmarks (e.g. ``hidden_size=512, num_layers=8``). ``vocab_texts`` replaces the
+    default tokenizer corpus (profiles and arithmetic transcripts).
+    """
     from transformers import Qwen2ForCausalLM
 
-    tokenizer = train_tokenizer(_corpus_texts(seed), vocab_size)
+    tokenizer = train_tokenizer(_corpus_texts(seed) if vocab_texts is None else vocab_texts, vocab_size)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(_qwen2_config(tokenizer, hidden_size, num_layers, num_heads))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -141,7 +154,8 @@ def _operands(row: dict) -> list[str]:
 
 
 def _noisy_replies(row: dict, rng, reasoner_correct: float, actor_copies: float) -> tuple[str, str]:
-    """Warm-start replies of the Reasoner (``"3 + 4 = 7"``, sometimes off) and the Actor (``"\\boxed{7}"``)."""
+    """Warm-start replies of the Reasoner (``"3 + 4 = 7"``, result sometimes off by 1-3) and the
+    Actor (``"\\boxed{7}"``, sometimes off by 1 from the Reasoner's result)."""
     a, op, b = _operands(row)
     answer = int(row["answer"])
     result = answer if rng.random() < reasoner_correct else _off_by(answer, rng)
@@ -149,27 +163,32 @@ def _noisy_replies(row: dict, rng, reasoner_correct: float, actor_copies: float)
     return f"{a} {op} {b} = {result}", f"\\boxed{{{boxed}}}"
 
 
-def _sft_examples(tokenizer, recipe: TinyRecipe, rng) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reply ids + EOS) pairs for both agents, tokenised exactly like ``AgentTeam``."""
+def _sft_examples(enc, eos_id: int, recipe: TinyRecipe, rng) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, reply ids + EOS) pairs for both agents, tokenised exactly like ``AgentTeam``
+    (header and body apart, no BOS; the reply after a space, as sampled after ``"Role:"``)."""
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.envs.profile import load_profile
     from marft.prompting import build_prompt, format_problem
 
     reasoner, actor = load_profile("reasoner_actor", n_agents=2)
-    enc = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
     examples = []
+    # The whole arithmetic table, as pretraining would cover it; the labels are noisy, so the model
+    # knows the answers only in part. RL trains on the train split; evaluation uses the test split,
+    # which RL never sees. (A 3-layer model cannot learn to add from 160 pairs in a minute: warming up
+    # on the train split alone leaves ~18% sampled / 25% greedy on test, too little for RL to sharpen.)
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
         history = format_problem(row["problem"])
         reasoning, final = _noisy_replies(row, rng, recipe.reasoner_correct, recipe.actor_copies)
         for spec, turns, reply in ((reasoner, [], reasoning), (actor, [(reasoner.role, reasoning)], final)):
             header, body = build_prompt(spec.prompt, history, turns, spec.role)
-            examples.append((enc(header) + enc(body), enc(" " + reply) + [tokenizer.eos_token_id]))
+            examples.append((enc(header) + enc(body), enc(" " + reply) + [eos_id]))
     return examples
 
 
 def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
     """Supervised pass on fresh noisy transcripts each epoch; loss on reply tokens only. Returns the last loss."""
     rng = np.random.default_rng(recipe.seed)
+    enc = functools.cache(lambda text: tokenizer(text, add_special_tokens=False).input_ids)  # texts repeat every epoch
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * min(s / recipe.sft_steps, 1.0))))
     examples: list = []
@@ -177,7 +196,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
     loss_value = float("nan")
     for step in range(recipe.sft_steps):
         if len(examples) < recipe.sft_batch_size:
-            examples = _sft_examples(tokenizer, recipe, rng)
+            examples = _sft_examples(enc, tokenizer.eos_token_id, recipe, rng)
             examples = [examples[i] for i in rng.permutation(len(examples))]
         batch, examples = examples[: recipe.sft_batch_size], examples[recipe.sft_batch_size :]
         width = max(len(p) + len(r) for p, r in batch)
@@ -203,14 +222,22 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
 
 
 def build_tiny_model(path: str, recipe: TinyRecipe = TinyRecipe()) -> str:
-    """Train the tokenizer, initialise the model and warm-start it; save to ``path``."""
+    """Train the tokenizer, initialise the model and warm-start it; save to ``path``.
+
+    Runs on one CPU thread: the same weights on every machine, and no slower for a model this small
+    (several threads on a busy machine are much slower)."""
     from transformers import Qwen2ForCausalLM
 
-    torch.manual_seed(recipe.seed)
-    tokenizer = train_tokenizer(_corpus_texts(recipe.seed), recipe.vocab_size)
-    model = Qwen2ForCausalLM(_qwen2_config(tokenizer, recipe.hidden_size, recipe.num_layers, recipe.num_heads))
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    loss = _warm_start(model, tokenizer, recipe)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(recipe.seed)
+        tokenizer = train_tokenizer(_corpus_texts(recipe.seed), recipe.vocab_size)
+        model = Qwen2ForCausalLM(_qwen2_config(tokenizer, recipe.hidden_size, recipe.num_layers, recipe.num_heads))
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        loss = _warm_start(model, tokenizer, recipe)
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     Path(path, "marft_recipe.json").write_text(json.dumps({**dataclasses.asdict(recipe), "final_sft_loss": loss}, indent=2))
