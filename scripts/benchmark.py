@@ -1,0 +1,450 @@
+"""Benchmarks: does the team learn where the answer is known, and what does marft cost?
+
+    python scripts/benchmark.py learning [--algorithm_name TPPO] [--agent_iteration_interval 4]
+    python scripts/benchmark.py rollout  [--model random --hidden_size 512 --num_layers 8]
+    python scripts/benchmark.py update   [--algorithm_name TPPO]
+    python scripts/benchmark.py rollout --model qwen2.5-0.5b-shape --device cuda --dtype bfloat16 \\
+        --n_rollout_threads 32 --max_new_tokens 256
+
+* ``learning``: trains a 2-agent team on the cooperative ``relay_sum`` env (fixed seed) through
+  ``marft.train.train`` and reports held-out success before and after, and the wall time. It
+  writes ``learning_curve.png`` (success rate and return per iteration) next to the TensorBoard logs.
+* ``rollout``: tokens per second of the team's rollout (``Runner.collect``: every agent on every env,
+  prompts encoded, replies sampled, log-probs scored, values computed) against plain
+  ``model.generate`` of the same number of tokens on the same prompt batches, same LoRA adapter.
+* ``update``: seconds per training update (``trainer.update``) against a plain forward + backward +
+  optimizer step over the same minibatches of tokens with the same adapters.
+
+Each prints progress, then ONE line of JSON with its figures (the last line of stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
+
+QWEN25_05B_SHAPE = dict(
+    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+    vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True,
+)
+"""The shape of Qwen2.5-0.5B (random weights) for ``--model qwen2.5-0.5b-shape``."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("bench", choices=["learning", "rollout", "update"])
+    p.add_argument("--algorithm_name", default="APPO", choices=["APPO", "TPPO"])
+    p.add_argument("--model", default="marft-tiny", help="marft-tiny, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape'")
+    p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
+    p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
+    p.add_argument("--env_name", default="relay_sum", help="registered environment (relay_sum or math)")
+    p.add_argument("--n_rollout_threads", type=int, default=16, help="parallel envs")
+    p.add_argument("--episode_length", type=int, default=2, help="team steps per env per iteration")
+    p.add_argument("--num_env_steps", type=int, default=4096, help="learning: env steps to train for (4096 = 128 iterations of 16 x 2)")
+    p.add_argument("--max_new_tokens", type=int, default=16)
+    p.add_argument("--context_window", type=int, default=256)
+    p.add_argument("--horizon", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--critic_lr", type=float, default=1e-3)
+    p.add_argument("--ppo_epoch", type=int, default=2)
+    p.add_argument("--num_mini_batch", type=int, default=1)
+    p.add_argument("--agent_iteration_interval", type=int, default=0)
+    p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
+    p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus")
+    p.add_argument("--normalization_mode", default="sum", choices=["sum", "token", "word"], help="APPO: a reply's log-prob from its tokens")
+    p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
+    p.add_argument("--eval_episodes", type=int, default=200, help="learning: held-out episodes before and after")
+    p.add_argument("--repeats", type=int, default=3, help="rollout/update: timed repetitions after one warm-up")
+    p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default=None, help="run directory (default: a temporary one; learning: results/benchmark/<time>)")
+    args = p.parse_args(argv)
+    return args
+
+
+def model_path(args) -> str:
+    """The model to load: a name/folder as given, or a freshly built random model."""
+    if args.model not in ("random", "qwen2.5-0.5b-shape"):
+        return args.model
+    from marft.models.tiny import build_random_model
+
+    path = tempfile.mkdtemp(prefix="marft_bench_model_")
+    if args.model == "random":
+        return build_random_model(path, hidden_size=args.hidden_size, num_layers=args.num_layers)
+    return build_shaped_model(path, QWEN25_05B_SHAPE, args.dtype)
+
+
+def build_shaped_model(path: str, shape: dict, dtype: str) -> str:
+    """A randomly initialised Qwen2 model of the given shape, with the embedded tokenizer.
+
+    The tokenizer is smaller than the vocabulary; sampled ids beyond it decode to nothing,
+    which is fine for timing (the compute is that of the full vocabulary)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from marft.agents.loading import DTYPES
+    from marft.models.tiny import build_random_model
+
+    build_random_model(path)  # the tokenizer (and a tiny model, replaced below)
+    tokenizer_config = json.loads(Path(path, "config.json").read_text())
+    config = Qwen2Config(**shape, eos_token_id=tokenizer_config["eos_token_id"], pad_token_id=tokenizer_config["pad_token_id"])
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
+    model.save_pretrained(path)
+    return path
+
+
+def model_label(args) -> str:
+    return f"random-h{args.hidden_size}-l{args.num_layers}" if args.model == "random" else args.model
+
+
+def make_config(args, run_dir: str | None) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(
+            model_name_or_path=model_path(args), max_new_tokens=args.max_new_tokens, context_window=args.context_window,
+            device=args.device, dtype=args.dtype,
+        ),
+        env=EnvConfig(env_name=args.env_name, horizon=args.horizon),
+        algo=AlgoConfig(
+            algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
+            num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
+            target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
+        ),
+        runner=RunnerConfig(
+            n_rollout_threads=args.n_rollout_threads, episode_length=args.episode_length, num_env_steps=args.num_env_steps,
+            seed=args.seed, output_dir=run_dir, experiment_name="benchmark", eval_episodes=args.eval_episodes,
+            eval_interval=args.eval_interval,
+        ),
+    )
+
+
+def emit(result: dict) -> dict:
+    print(json.dumps(result), flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------- learning
+
+
+def plot_learning_curve(log_dir: Path) -> Path | None:
+    """Success rate and return per iteration (and the held-out evaluations) from the TensorBoard logs → PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+
+    def series(tag):
+        points = events.Scalars(tag) if tag in tags else []
+        return [p.step for p in points], [p.value for p in points]
+
+    fig, (ax_success, ax_return) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_success.plot(*series("charts/accuracy"), label="training episodes")
+    ax_success.plot(*series("eval/accuracy"), "o--", label="held-out evaluation")
+    ax_success.set(xlabel="iteration", ylabel="success rate", ylim=(-0.02, 1.02), title="Success rate")
+    ax_success.legend()
+    ax_return.plot(*series("charts/episode_return"), label="training episodes")
+    ax_return.plot(*series("eval/return"), "o--", label="held-out evaluation")
+    ax_return.set(xlabel="iteration", ylabel="team return", title="Episode return")
+    ax_return.legend()
+    fig.tight_layout()
+    path = log_dir / "learning_curve.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def bench_learning(args) -> dict:
+    from marft.train import train
+
+    run_dir = args.output_dir or str(Path("results") / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
+    config = make_config(args, run_dir)
+    print(
+        f"learning: {args.algorithm_name} on {args.env_name}, {config.num_iterations} iterations of "
+        f"{args.n_rollout_threads} envs x {args.episode_length} steps, agent_iteration_interval {args.agent_iteration_interval}",
+        flush=True,
+    )
+    summary = train(config)
+    plot = plot_learning_curve(Path(run_dir) / "logs")
+    print(f"learning curve: {plot}", flush=True)
+    return emit({
+        "bench": "learning",
+        "algo": args.algorithm_name,
+        "agent_iteration_interval": args.agent_iteration_interval,
+        "success_before": summary["accuracy_before"],
+        "success_after": summary["accuracy_after"],
+        "return_before": summary["return_before"],
+        "return_after": summary["return_after"],
+        "seconds": round(summary["seconds"], 1),
+        "iterations": summary["iterations"],
+        "seed": args.seed,
+        "run_dir": run_dir,
+        "plot": str(plot),
+    })
+
+
+# ---------------------------------------------------------------------------- shared setup
+
+
+def build_runner(args):
+    """Model, team, trainer and runner on a throw-away run directory; returns ``(runner, config)``."""
+    from marft.agents.loading import load_base_model
+    from marft.agents.team import AgentTeam
+    from marft.algorithms import make_trainer
+    from marft.envs.vector import TextVectorEnv
+    from marft.runner.shared.runner import Runner
+    from marft.train import seed_everything, validate
+
+    config = make_config(args, args.output_dir or tempfile.mkdtemp(prefix="marft_bench_run_"))
+    profile, make_train_env, make_eval_env = validate(config)
+    seed_everything(args.seed)
+    model, tokenizer = load_base_model(config.model)
+    team = AgentTeam(model, tokenizer, profile, config.model)
+    trainer = make_trainer(team, config.algo)
+    envs = TextVectorEnv([make_train_env] * args.n_rollout_threads)
+    runner = Runner(config, team, trainer, envs, make_eval_env, Path(config.runner.output_dir))
+    n_base = sum(p.numel() for n, p in team.model.named_parameters() if "lora_" not in n)
+    print(f"model {model_label(args)}: {n_base / 1e6:.1f}M base parameters on {team.device} ({args.dtype})", flush=True)
+    return runner, config
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def turns_of(buffer, device) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    """Every agent turn of a rollout as ``(agent, prompt_ids (E, P), prompt_mask (E, P), generated)``,
+    where ``generated`` is how many tokens generate produced (the longest reply, EOS included)."""
+    from marft.runner.shared.buffer import trim_batch
+
+    T, E, N = buffer.shape
+    turns = []
+    for t in range(T):
+        for agent in range(N):
+            batch = trim_batch({"prompt_ids": buffer.prompt_ids[t, :, agent], "prompt_mask": buffer.prompt_mask[t, :, agent]}, device)
+            generated = int(buffer.response_mask[t, :, agent].sum(-1).max())
+            turns.append((agent, batch["prompt_ids"], batch["prompt_mask"], max(generated, 1)))
+    return turns
+
+
+@contextmanager
+def phase_timer(team, totals: dict):
+    """Time the team's phases (encode, generate, score, values, decode) by wrapping its methods."""
+    names = {"encode_prompts": "encode", "generate": "generate", "response_logprobs": "score_logprobs",
+             "values": "critic_values", "token_values": "critic_values", "decode": "decode"}
+    originals = {name: getattr(team, name) for name in names}
+
+    def wrap(name, fn):
+        def timed(*a, **k):
+            synchronize(team.device)
+            start = time.perf_counter()
+            out = fn(*a, **k)
+            synchronize(team.device)
+            totals[names[name]] = totals.get(names[name], 0.0) + time.perf_counter() - start
+            return out
+        return timed
+
+    for name, fn in originals.items():
+        setattr(team, name, wrap(name, fn))
+    try:
+        yield totals
+    finally:
+        for name in originals:
+            delattr(team, name)
+
+
+# ---------------------------------------------------------------------------- rollout
+
+
+@torch.no_grad()
+def plain_generate(team, turns, adapters: bool = True) -> float:
+    """Seconds for ``model.generate`` on the same prompt batches, exactly the same number of new tokens each."""
+    import copy
+    from contextlib import nullcontext
+
+    seconds = 0.0
+    for agent, prompt_ids, prompt_mask, generated in turns:
+        config = copy.deepcopy(team.generation_config)
+        config.max_new_tokens = config.min_new_tokens = generated
+        team.model.set_adapter(team.agent_adapters[agent])
+        with nullcontext() if adapters else team.model.disable_adapter():
+            synchronize(team.device)
+            start = time.perf_counter()
+            team.model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+            synchronize(team.device)
+        seconds += time.perf_counter() - start
+    return seconds
+
+
+def bench_rollout(args) -> dict:
+    runner, config = build_runner(args)
+    team = runner.team
+    runner.collect()  # warm-up
+    marft_s = generate_s = base_s = 0.0
+    tokens = reply_tokens = 0
+    for r in range(args.repeats):
+        synchronize(team.device)
+        start = time.perf_counter()
+        buffer, _ = runner.collect()
+        synchronize(team.device)
+        collect_s = time.perf_counter() - start
+        turns = turns_of(buffer, team.device)
+        gen_s = plain_generate(team, turns)
+        base_s += plain_generate(team, turns, adapters=False)
+        n = sum(ids.shape[0] * generated for _, ids, _, generated in turns)
+        marft_s, generate_s, tokens = marft_s + collect_s, generate_s + gen_s, tokens + n
+        reply_tokens += int(buffer.response_mask.sum())
+        print(f"repeat {r}: {n} tokens, marft rollout {collect_s:.2f}s, plain generate {gen_s:.2f}s", flush=True)
+    profile = {}
+    if not args.no_profile:
+        with phase_timer(team, profile):
+            synchronize(team.device)
+            start = time.perf_counter()
+            runner.collect()
+            synchronize(team.device)
+            profile["total"] = time.perf_counter() - start
+        profile["other"] = profile["total"] - sum(v for k, v in profile.items() if k != "total")
+        print("one rollout, seconds per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in profile.items()), flush=True)
+    return emit({
+        "bench": "rollout",
+        "algo": args.algorithm_name,
+        "model": model_label(args),
+        "device": str(team.device),
+        "dtype": args.dtype,
+        "n_agents": team.n_agents,
+        "n_envs": args.n_rollout_threads,
+        "max_new_tokens": args.max_new_tokens,
+        "tokens": tokens,
+        "reply_tokens": reply_tokens,
+        "marft_tokens_per_s": tokens / marft_s,
+        "generate_tokens_per_s": tokens / generate_s,
+        "ratio": generate_s / marft_s,
+        "generate_no_lora_tokens_per_s": tokens / base_s,
+        "profile_s": {k: round(v, 4) for k, v in profile.items()},
+    })
+
+
+# ---------------------------------------------------------------------------- update
+
+
+def _plain_minibatches(n: int, num_mini_batch: int):
+    size = -(-n // num_mini_batch)
+    return torch.randperm(n).split(size)
+
+
+def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers: dict) -> None:
+    """The reference workload: for the critic and each agent, ``ppo_epoch`` passes of forward + backward +
+    optimizer step over the same minibatches of tokens, with a minimal loss and no PPO bookkeeping."""
+    from marft.agents.team import CRITIC_ADAPTER, position_ids_from_mask
+    from marft.runner.shared.buffer import trim_batch
+
+    model = team.model
+    decoder = model.get_base_model().get_decoder()
+    samples = buffer.critic_samples(token_level)
+    model.set_adapter(CRITIC_ADAPTER)
+    for _ in range(config.ppo_epoch):
+        for idx in _plain_minibatches(samples["prompt_ids"].shape[0], config.num_mini_batch):
+            mb = trim_batch({k: v[idx] for k, v in samples.items()}, team.device)
+            if token_level:
+                L = mb["response_ids"].shape[1]
+                ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)  # (B, P + L)
+                mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1)  # (B, P + L)
+                hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
+                values = team.value_head(hidden[:, -L - 1 : -1].float()).squeeze(-1)  # (B, L)
+                loss = ((values - mb["token_returns"]) ** 2 * mb["response_mask"]).sum() / mb["response_mask"].sum()
+            else:
+                mask = mb["prompt_mask"]
+                hidden = decoder(input_ids=mb["prompt_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
+                values = team.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
+                loss = ((values - mb["returns"]) ** 2).mean()
+            loss.backward()
+            optimizers[CRITIC_ADAPTER].step()
+            optimizers[CRITIC_ADAPTER].zero_grad(set_to_none=True)
+    for agent in range(team.n_agents):
+        adapter = team.agent_adapters[agent]
+        samples = buffer.agent_samples(agent, token_level)
+        model.set_adapter(adapter)
+        for _ in range(config.ppo_epoch):
+            for idx in _plain_minibatches(samples["prompt_ids"].shape[0], config.num_mini_batch):
+                mb = trim_batch({k: v[idx] for k, v in samples.items()}, team.device)
+                L = mb["response_ids"].shape[1]
+                ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)  # (B, P + L)
+                mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1)  # (B, P + L)
+                logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), logits_to_keep=L + 1).logits
+                logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, L)
+                weight = mb["token_advantages"] if token_level else mb["advantages"].unsqueeze(-1)
+                loss = -(logp * weight * mb["response_mask"]).sum() / mb["response_mask"].sum()
+                loss.backward()
+                optimizers[adapter].step()
+                optimizers[adapter].zero_grad(set_to_none=True)
+
+
+def bench_update(args) -> dict:
+    from marft.agents.team import CRITIC_ADAPTER
+
+    runner, config = build_runner(args)
+    team, trainer = runner.team, runner.trainer
+    buffer, _ = runner.collect()
+    trainer.compute_advantages(buffer)
+    optimizers = {a: torch.optim.AdamW(team.adapter_parameters(a), lr=config.algo.lr) for a in team.policy_adapters}
+    optimizers[CRITIC_ADAPTER] = torch.optim.AdamW(team.critic_parameters(), lr=config.algo.critic_lr)
+
+    def timed(fn) -> float:
+        synchronize(team.device)
+        start = time.perf_counter()
+        fn()
+        synchronize(team.device)
+        return time.perf_counter() - start
+
+    def plain():
+        team.value_head.requires_grad_(True)  # peft's set_adapter makes the active adapter (only) trainable
+        plain_update(team, config.algo, buffer, trainer.token_level, optimizers)
+
+    timed(lambda: trainer.update(buffer, 0))  # warm-up
+    timed(plain)
+    marft_s, plain_s = [], []
+    for r in range(args.repeats):  # interleaved so that drift affects both alike
+        marft_s.append(timed(lambda: trainer.update(buffer, r)))
+        plain_s.append(timed(plain))
+        print(f"repeat {r}: marft update {marft_s[-1]:.2f}s, plain forward+backward {plain_s[-1]:.2f}s", flush=True)
+    team.set_active(None)
+    marft_mean, plain_mean = sum(marft_s) / len(marft_s), sum(plain_s) / len(plain_s)
+    return emit({
+        "bench": "update",
+        "algo": args.algorithm_name,
+        "model": model_label(args),
+        "device": str(team.device),
+        "dtype": args.dtype,
+        "n_agents": team.n_agents,
+        "n_envs": args.n_rollout_threads,
+        "reply_tokens": int(buffer.response_mask.sum()),
+        "ppo_epoch": args.ppo_epoch,
+        "marft_s": marft_mean,
+        "plain_s": plain_mean,
+        "ratio": marft_mean / plain_mean,
+    })
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    return {"learning": bench_learning, "rollout": bench_rollout, "update": bench_update}[args.bench](args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
