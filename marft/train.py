@@ -67,10 +67,30 @@ def validate(config: TrainConfig):
     check_model_path(config.model.model_name_or_path)
     make_train_env, make_eval_env = build_env_factories(config, profile)
     if config.runner.load_path:
-        from marft.runner.shared.checkpoint import find_checkpoint
-
-        find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory with a complete checkpoint
+        check_work_left(config)
     return profile, make_train_env, make_eval_env
+
+
+def check_work_left(config: TrainConfig) -> None:
+    """A resumed run must have iterations left to train: never a silent run of 0 steps.
+
+    Raises:
+        FileNotFoundError: ``--load_path`` holds no complete checkpoint.
+        ValueError: the checkpoint already reached ``config.num_iterations``.
+    """
+    from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
+
+    checkpoint = find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory's latest
+    _, state = read_checkpoint_meta(checkpoint)
+    done, total = int(state["iteration"]), config.num_iterations
+    if done >= total:
+        rc = config.runner
+        per_iteration = rc.episode_length * rc.n_rollout_threads
+        raise ValueError(
+            f"{checkpoint} has trained {done} iterations, and --num_env_steps {rc.num_env_steps} means {total} in all: "
+            f"nothing is left to train. Raise --num_env_steps (one iteration is {per_iteration} env steps; "
+            f"e.g. --num_env_steps {(done + 1) * per_iteration} for one more iteration)"
+        )
 
 
 def train(config: TrainConfig, validated=None) -> dict:

@@ -3,17 +3,23 @@
     python scripts/benchmark.py learning [--algorithm_name TPPO] [--agent_iteration_interval 4]
     python scripts/benchmark.py rollout  [--model random --hidden_size 512 --num_layers 8]
     python scripts/benchmark.py update   [--algorithm_name TPPO]
+    python scripts/benchmark.py iteration [--algorithm_name TPPO] [--n_agents 4] [--model random]
     python scripts/benchmark.py rollout --model qwen2.5-0.5b-shape --device cuda --dtype bfloat16 \\
         --n_rollout_threads 32 --max_new_tokens 256
 
-* ``learning``: trains a 2-agent team on the cooperative ``relay_sum`` env (fixed seed) through
-  ``marft.train.train`` and reports held-out success before and after, and the wall time. It
+* ``learning``: trains a 2-agent team on the cooperative ``relay_sum`` env (fixed seed) with the
+  library's runner and reports, before and after training, the success rate on held-out episodes of
+  the test split (``success_*``: (key, number) pairs never trained on) and on fresh episodes of the
+  training tasks (``train_tasks_success_*``), and the wall time of training with its evaluations. It
   writes ``learning_curve.png`` (success rate and return per iteration) next to the TensorBoard logs.
 * ``rollout``: tokens per second of the team's rollout (``Runner.collect``: every agent on every env,
   prompts encoded, replies sampled, log-probs scored, values computed) against plain
   ``model.generate`` of the same number of tokens on the same prompt batches, same LoRA adapter.
 * ``update``: seconds per training update (``trainer.update``) against a plain forward + backward +
   optimizer step over the same minibatches of tokens with the same adapters.
+* ``iteration``: seconds per whole training iteration (rollout + advantages + update) and peak memory
+  (process RSS; on CUDA also the peak allocated GPU memory). Run one configuration per process so the
+  peak-memory figures do not mix.
 
 Each prints progress, then ONE line of JSON with its figures (the last line of stdout).
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -38,18 +45,22 @@ QWEN25_05B_SHAPE = dict(
 )
 """The shape of Qwen2.5-0.5B (random weights) for ``--model qwen2.5-0.5b-shape``."""
 
+PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solver_reflector_verifier"}
+"""The shipped profile used for each ``--n_agents``."""
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench", choices=["learning", "rollout", "update"])
+    p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
     p.add_argument("--algorithm_name", default="APPO", choices=["APPO", "TPPO"])
     p.add_argument("--model", default="marft-tiny", help="marft-tiny, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape'")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
+    p.add_argument("--n_agents", type=int, default=2, choices=sorted(PROFILES), help="team size (profile: see PROFILES)")
     p.add_argument("--env_name", default="relay_sum", help="registered environment (relay_sum or math)")
     p.add_argument("--n_rollout_threads", type=int, default=16, help="parallel envs")
     p.add_argument("--episode_length", type=int, default=2, help="team steps per env per iteration")
-    p.add_argument("--num_env_steps", type=int, default=4096, help="learning: env steps to train for (4096 = 128 iterations of 16 x 2)")
+    p.add_argument("--num_env_steps", type=int, default=16384, help="learning: env steps to train for (16384 = 512 iterations of 16 x 2)")
     p.add_argument("--max_new_tokens", type=int, default=16)
     p.add_argument("--context_window", type=int, default=256)
     p.add_argument("--horizon", type=int, default=1)
@@ -59,11 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_mini_batch", type=int, default=1)
     p.add_argument("--agent_iteration_interval", type=int, default=0)
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
-    p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus")
+    p.add_argument("--entropy_coef", type=float, default=0.01, help="weight of the entropy bonus (it keeps the tiny team exploring)")
     p.add_argument("--normalization_mode", default="sum", choices=["sum", "token", "word"], help="APPO: a reply's log-prob from its tokens")
     p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
-    p.add_argument("--eval_episodes", type=int, default=200, help="learning: held-out episodes before and after")
-    p.add_argument("--repeats", type=int, default=3, help="rollout/update: timed repetitions after one warm-up")
+    p.add_argument("--eval_episodes", type=int, default=200, help="learning: evaluation episodes before and after (each on the test and the train split)")
+    p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
     p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -112,7 +123,8 @@ def model_label(args) -> str:
 def make_config(args, run_dir: str | None) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(
-            model_name_or_path=model_path(args), max_new_tokens=args.max_new_tokens, context_window=args.context_window,
+            model_name_or_path=model_path(args), profile_path=PROFILES[args.n_agents], n_agents=args.n_agents,
+            max_new_tokens=args.max_new_tokens, context_window=args.context_window,
             device=args.device, dtype=args.dtype,
         ),
         env=EnvConfig(env_name=args.env_name, horizon=args.horizon),
@@ -170,32 +182,53 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
 
 
 def bench_learning(args) -> dict:
-    from marft.train import train
+    """Train on the env's train split; report success on held-out episodes of the test split (tasks
+    never trained on) and on fresh episodes of the training tasks, before and after."""
+    from marft.train import build_env_factories
 
-    run_dir = args.output_dir or str(Path("results") / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
-    config = make_config(args, run_dir)
+    args.output_dir = args.output_dir or str(Path("results") / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
+    runner, config = build_runner(args)
+    make_train_env, _ = build_env_factories(config, runner.team.profile)
     print(
         f"learning: {args.algorithm_name} on {args.env_name}, {config.num_iterations} iterations of "
         f"{args.n_rollout_threads} envs x {args.episode_length} steps, agent_iteration_interval {args.agent_iteration_interval}",
         flush=True,
     )
-    summary = train(config)
-    plot = plot_learning_curve(Path(run_dir) / "logs")
+    train_tasks_before = evaluate_on(runner, make_train_env)
+    start = time.perf_counter()
+    summary = runner.run()  # evaluates on the test split before and after training
+    seconds = time.perf_counter() - start
+    train_tasks_after = evaluate_on(runner, make_train_env)
+    print(f"training tasks, fresh episodes: success {train_tasks_before['accuracy']:.3f} -> {train_tasks_after['accuracy']:.3f}", flush=True)
+    plot = plot_learning_curve(Path(args.output_dir) / "logs")
     print(f"learning curve: {plot}", flush=True)
     return emit({
         "bench": "learning",
         "algo": args.algorithm_name,
+        "env": args.env_name,
         "agent_iteration_interval": args.agent_iteration_interval,
         "success_before": summary["accuracy_before"],
         "success_after": summary["accuracy_after"],
         "return_before": summary["return_before"],
         "return_after": summary["return_after"],
-        "seconds": round(summary["seconds"], 1),
+        "train_tasks_success_before": train_tasks_before["accuracy"],
+        "train_tasks_success_after": train_tasks_after["accuracy"],
+        "seconds": round(seconds, 1),
         "iterations": summary["iterations"],
         "seed": args.seed,
-        "run_dir": run_dir,
+        "run_dir": args.output_dir,
         "plot": str(plot),
     })
+
+
+def evaluate_on(runner, make_env) -> dict:
+    """``runner.evaluate`` on environments from ``make_env`` (its own RNG stream: training is unchanged)."""
+    make_eval_env = runner.make_eval_env
+    runner.make_eval_env = make_env
+    try:
+        return runner.evaluate()
+    finally:
+        runner.make_eval_env = make_eval_env
 
 
 # ---------------------------------------------------------------------------- shared setup
@@ -221,6 +254,19 @@ def build_runner(args):
     n_base = sum(p.numel() for n, p in team.model.named_parameters() if "lora_" not in n)
     print(f"model {model_label(args)}: {n_base / 1e6:.1f}M base parameters on {team.device} ({args.dtype})", flush=True)
     return runner, config
+
+
+def setup_fields(args, team) -> dict:
+    """The JSON fields every timing benchmark reports: what ran, on what, at which sizes."""
+    return {
+        "algo": args.algorithm_name,
+        "model": model_label(args),
+        "device": str(team.device),
+        "dtype": args.dtype,
+        "n_agents": team.n_agents,
+        "n_envs": args.n_rollout_threads,
+        "max_new_tokens": args.max_new_tokens,
+    }
 
 
 def synchronize(device: torch.device) -> None:
@@ -323,13 +369,7 @@ def bench_rollout(args) -> dict:
         print("one rollout, seconds per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in profile.items()), flush=True)
     return emit({
         "bench": "rollout",
-        "algo": args.algorithm_name,
-        "model": model_label(args),
-        "device": str(team.device),
-        "dtype": args.dtype,
-        "n_agents": team.n_agents,
-        "n_envs": args.n_rollout_threads,
-        "max_new_tokens": args.max_new_tokens,
+        **setup_fields(args, team),
         "tokens": tokens,
         "reply_tokens": reply_tokens,
         "marft_tokens_per_s": tokens / marft_s,
@@ -427,12 +467,7 @@ def bench_update(args) -> dict:
     marft_mean, plain_mean = sum(marft_s) / len(marft_s), sum(plain_s) / len(plain_s)
     return emit({
         "bench": "update",
-        "algo": args.algorithm_name,
-        "model": model_label(args),
-        "device": str(team.device),
-        "dtype": args.dtype,
-        "n_agents": team.n_agents,
-        "n_envs": args.n_rollout_threads,
+        **setup_fields(args, team),
         "reply_tokens": int(buffer.response_mask.sum()),
         "ppo_epoch": args.ppo_epoch,
         "marft_s": marft_mean,
@@ -441,9 +476,53 @@ def bench_update(args) -> dict:
     })
 
 
+# ---------------------------------------------------------------------------- iteration
+
+
+def bench_iteration(args) -> dict:
+    runner, config = build_runner(args)
+    team, trainer = runner.team, runner.trainer
+    if team.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    rollout_s, update_s, tokens = [], [], []
+    for i in range(args.repeats + 1):  # iteration 0 is a warm-up
+        synchronize(team.device)
+        start = time.perf_counter()
+        buffer, _ = runner.collect()
+        synchronize(team.device)
+        middle = time.perf_counter()
+        trainer.compute_advantages(buffer)
+        trainer.update(buffer, i)
+        synchronize(team.device)
+        end = time.perf_counter()
+        print(f"iteration {i}: rollout {middle - start:.2f}s, update {end - middle:.2f}s" + (" (warm-up)" if i == 0 else ""), flush=True)
+        if i > 0:
+            rollout_s.append(middle - start)
+            update_s.append(end - middle)
+            tokens.append(int(buffer.response_mask.sum()))
+    named = list(team.model.named_parameters())
+    result = {
+        "bench": "iteration",
+        **setup_fields(args, team),
+        "episode_length": args.episode_length,
+        "ppo_epoch": args.ppo_epoch,
+        "seconds_per_iteration": (sum(rollout_s) + sum(update_s)) / args.repeats,
+        "rollout_s": sum(rollout_s) / args.repeats,
+        "update_s": sum(update_s) / args.repeats,
+        "reply_tokens_per_iteration": sum(tokens) / args.repeats,
+        "base_params_m": sum(p.numel() for n, p in named if "lora_" not in n) / 1e6,
+        "adapter_params_m": sum(p.numel() for n, p in named if "lora_" in n) / 1e6,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
+    if team.device.type == "cuda":
+        result["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return emit(result)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    return {"learning": bench_learning, "rollout": bench_rollout, "update": bench_update}[args.bench](args)
+    benches = {"learning": bench_learning, "rollout": bench_rollout, "update": bench_update, "iteration": bench_iteration}
+    return benches[args.bench](args)
 
 
 if __name__ == "__main__":

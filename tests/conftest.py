@@ -5,6 +5,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -23,3 +24,12 @@ def _quiet_warnings():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         yield
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: much faster for the tiny models on a busy 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,7 +25,9 @@ def test_learning_bench_writes_figures_and_a_plot(random_model_dir, tmp_path, al
     result = run_bench("learning", "--model", random_model_dir, "--algorithm_name", algo, "--num_env_steps", "4",
                        "--eval_episodes", "2", "--output_dir", str(out), *TINY)
     assert result["bench"] == "learning" and result["algo"] == algo and result["iterations"] == 2
-    assert 0 <= result["success_before"] <= 1 and 0 <= result["success_after"] <= 1 and result["seconds"] > 0
+    for key in ("success_before", "success_after", "train_tasks_success_before", "train_tasks_success_after"):
+        assert 0 <= result[key] <= 1, key
+    assert result["seconds"] > 0
     assert (out / "logs" / "learning_curve.png").stat().st_size > 0
 
 
@@ -36,3 +38,10 @@ def test_rollout_and_update_benches(random_model_dir):
     assert rollout["profile_s"]["generate"] > 0
     update = run_bench("update", "--model", random_model_dir, "--repeats", "1", *TINY)
     assert update["bench"] == "update" and update["marft_s"] > 0 and update["plain_s"] > 0
+
+
+def test_iteration_bench_reports_time_and_memory(random_model_dir):
+    result = run_bench("iteration", "--model", random_model_dir, "--n_agents", "4", "--repeats", "1", *TINY)
+    assert result["bench"] == "iteration" and result["n_agents"] == 4
+    assert result["seconds_per_iteration"] == pytest.approx(result["rollout_s"] + result["update_s"])
+    assert result["peak_rss_mib"] > 0 and result["adapter_params_m"] > 0

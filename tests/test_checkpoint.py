@@ -35,13 +35,7 @@ E = 2  # n_rollout_threads; one team step per iteration, so num_env_steps = E * 
 N = 2  # iterations before the stop
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: much faster for this tiny model on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def flags(model_dir, iterations: int, output_dir=None, *extra: str, env: str = "dense_relay_sum") -> list[str]:
@@ -179,6 +173,15 @@ def test_load_path_run_directory_takes_latest_complete_checkpoint(trained_run, t
     assert not (checkpoints / ".steps_7.tmp-999999999").exists(), "the partial checkpoint was not cleaned up"
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         find_checkpoint(tmp_path)
+
+
+def test_resuming_a_finished_run_says_nothing_is_left_to_train(trained_run, tmp_path, capsys):
+    """A checkpoint at the last iteration with the same --num_env_steps: a clear error, not a run of 0 steps."""
+    run = copy_run(trained_run, tmp_path)
+    assert main(["--load_path", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing is left to train" in err[0] and f"--num_env_steps {E * (N + 1)}" in err[0], err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"steps_{i}" for i in range(1, N + 1)]
 
 
 def test_keep_checkpoints_keeps_the_newest(random_model_dir, tmp_path):

@@ -23,12 +23,7 @@ from marft.train import main, train
 E = 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(model_dir, run_dir, iterations: int, **algo) -> TrainConfig:

@@ -22,7 +22,7 @@ HISTORIES = [
 
 
 def make_team(model_dir, **overrides):
-    config = ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=96, **overrides)
+    config = ModelConfig(**{"model_name_or_path": model_dir, "max_new_tokens": 6, "context_window": 96, **overrides})
     model, tokenizer = load_base_model(config)
     return AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config)
 
@@ -98,12 +98,8 @@ def fill_buffer(team, n_envs=4, steps=2, trainer=None):
     buffer = RolloutBuffer(steps, n_envs, team.n_agents, team.max_prompt_len, team.config.max_new_tokens, team.pad_id)
     histories = (HISTORIES * n_envs)[:n_envs]
     for t in range(steps):
-        turns = [[] for _ in range(n_envs)]
-        for agent in range(team.n_agents):
-            out = team.act(agent, histories, turns, token_values=token_level)
+        for agent, out in enumerate(team.play_step(histories, token_values=token_level)):
             buffer.insert_turn(t, agent, out)
-            for e in range(n_envs):
-                turns[e].append((team.profile[agent].role, out.texts[e]))
         buffer.insert_step(t, torch.randint(0, 2, (n_envs, team.n_agents)).float(), torch.tensor([t == steps - 1] * n_envs))
     if trainer is None:
         buffer.compute_advantages(0.99, 0.95)
@@ -181,11 +177,28 @@ def test_policy_gradient_raises_the_logprob_of_advantaged_replies(random_model_d
 def test_token_values_first_position_is_the_prompt_value(random_model_dir):
     torch.manual_seed(0)
     team = make_team(random_model_dir)
-    out = team.act(0, HISTORIES, [[], [], []], token_values=True)
+    out = team.play_step(HISTORIES, token_values=True)[0]
     with torch.no_grad():
         prompt_values = team.values(out.prompt_ids, out.prompt_mask)
     torch.testing.assert_close(out.token_values[:, 0], prompt_values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.values, prompt_values, atol=1e-5, rtol=0)
     assert (out.token_values[out.response_mask == 0] == 0).all()
+
+
+def test_a_team_step_lets_each_agent_see_the_earlier_replies_and_values_every_turn(random_model_dir):
+    team = make_team(random_model_dir, context_window=256)  # no history is cut
+    private = [["x = 7", ""]] * len(HISTORIES)
+    reasoner, actor = team.play_step(HISTORIES, private)
+    for b, history in enumerate(HISTORIES):
+        reasoner_text = team.tokenizer.decode(reasoner.prompt_ids[b][reasoner.prompt_mask[b].bool()])
+        actor_text = team.tokenizer.decode(actor.prompt_ids[b][actor.prompt_mask[b].bool()])
+        assert "x = 7" in reasoner_text and "x = 7" not in actor_text
+        assert actor_text.endswith(f"{history}Reasoner: {reasoner.texts[b]}\nActor:")
+    with torch.no_grad():
+        for out in (reasoner, actor):
+            torch.testing.assert_close(out.values, team.values(out.prompt_ids, out.prompt_mask), atol=1e-5, rtol=0)
+    evaluation = team.play_step(HISTORIES, private, with_values=False)
+    assert all(out.values is None for out in evaluation)
 
 
 def test_tppo_raises_the_logprob_of_advantaged_tokens(random_model_dir):

@@ -5,6 +5,11 @@ LoRA adapter (or all share one with ``shared_lora``), and the centralized critic
 owns its own LoRA adapter plus a linear value head on the last hidden state.
 Memory therefore grows with the number of agents only by their adapters.
 
+The critic values each turn from the acting agent's own prompt (role header, private
+observation, history). A role-free view of the global state (``env.state()``) was tried:
+its prompts are a third as long and it explains more of the return's variance, but the
+team learned ``relay_sum`` markedly worse with it (see ``scripts/benchmark.py learning``).
+
 Tensor layout used throughout (B = batch of prompts, P = prompt length,
 L = reply length, V = vocabulary):
 
@@ -84,8 +89,8 @@ class TurnOutput:
     response_ids: torch.Tensor  # (B, L) right-padded, L = max_new_tokens
     response_mask: torch.Tensor  # (B, L)
     logprobs: torch.Tensor  # (B, L) token log-probs of the sampled ids under the sampling distribution
-    values: torch.Tensor  # (B,) critic value of the prompt
     texts: list[str]  # decoded replies, stripped
+    values: torch.Tensor | None = None  # (B,) critic value of the prompt (None when not asked for)
     token_values: torch.Tensor | None = None  # (B, L) critic value before each reply token (token-level trainers)
 
 
@@ -219,6 +224,10 @@ class AgentTeam(nn.Module):
             if budget <= 0:
                 raise ValueError(f"the role header and private observation of {spec.role!r} fill the whole prompt budget; raise --context_window")
             rows.append(header + ids[-budget:])
+        return self._left_padded(rows)
+
+    def _left_padded(self, rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token rows → ``ids (B, W)`` and ``mask (B, W)``, left-padded to the longest row, on the team's device."""
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -330,24 +339,59 @@ class AgentTeam(nn.Module):
         histories: Sequence[str],
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
-        token_values: bool = False,
     ) -> TurnOutput:
-        """Agent ``agent`` replies to every history in the batch: sample, score, value.
-
-        With ``token_values`` the critic also values every reply token (``TurnOutput.token_values``).
-        """
+        """Agent ``agent`` replies to every history in the batch: prompts encoded, replies sampled and scored
+        (no critic values: see :meth:`play_step`)."""
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private)
         adapter = self.agent_adapters[agent]
         response_ids, response_mask, logprobs = self.generate(adapter, prompt_ids, prompt_mask)
         if logprobs is None:
             logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
-        texts = self.decode(response_ids, response_mask)
-        if token_values:
-            per_token = self.token_values(prompt_ids, prompt_mask, response_ids, response_mask)  # (B, L)
-            values = self.values(prompt_ids, prompt_mask) if not response_mask[:, 0].all() else per_token[:, 0]
-            return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, values, texts, per_token)
-        values = self.values(prompt_ids, prompt_mask)
-        return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, values, texts)
+        return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.decode(response_ids, response_mask))
+
+    @torch.no_grad()
+    def play_step(
+        self,
+        histories: Sequence[str],
+        private: Sequence[Sequence[str]] | None = None,
+        with_values: bool = True,
+        token_values: bool = False,
+    ) -> list[TurnOutput]:
+        """One team step on a batch of B conversations: every agent, in profile order, replies to each
+        history, seeing the replies of the agents before it.
+
+        Args:
+            histories: ``(B,)`` shared observations.
+            private: ``(B, N)`` text only agent n sees in conversation b (None: nothing private).
+            with_values: value every turn (training rollouts); evaluation skips the critic.
+            token_values: the critic also values every reply token (token-level trainers).
+
+        Returns one ``TurnOutput`` per agent.
+        """
+        earlier = [[] for _ in histories]  # (role, reply) of the agents that already spoke, per conversation
+        outs = []
+        for agent, spec in enumerate(self.profile):
+            out = self.act(agent, histories, earlier, None if private is None else [p[agent] for p in private])
+            for turns, text in zip(earlier, out.texts):
+                turns.append((spec.role, text))
+            outs.append(out)
+        if with_values:
+            self.value_turns(outs, token_values)
+        return outs
+
+    @torch.no_grad()
+    def value_turns(self, turns: Sequence[TurnOutput], token_values: bool = False) -> None:
+        """Critic values of each turn's prompt: fills ``values (B,)`` and, with ``token_values``,
+        ``token_values (B, L)`` (one forward per turn: prompts of different agents differ in length)."""
+        for turn in turns:
+            if not token_values:
+                turn.values = self.values(turn.prompt_ids, turn.prompt_mask)  # (B,)
+                continue
+            turn.token_values = self.token_values(turn.prompt_ids, turn.prompt_mask, turn.response_ids, turn.response_mask)  # (B, L)
+            turn.values = turn.token_values[:, 0]  # the value before the first reply token is the prompt's value
+            first = turn.response_mask[:, 0].bool()
+            if not first.all():  # empty replies have no first token: value their prompts
+                turn.values = torch.where(first, turn.values, self.values(turn.prompt_ids, turn.prompt_mask))
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]

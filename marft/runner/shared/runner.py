@@ -76,15 +76,12 @@ class Runner:
         finished_returns, finished_correct, tokens = [], [], 0
         start = time.perf_counter()
         for step in range(T):
-            turns = [[] for _ in range(E)]  # (role, reply) of the agents that already spoke, per env
             private = [env.private_observations() for env in self.envs.envs]  # (E, N) texts
-            for agent in range(N):
-                out = team.act(agent, self.obs, turns, [p[agent] for p in private], token_values=self.trainer.token_level)
+            outs = team.play_step(self.obs, private, token_values=self.trainer.token_level)  # one per agent
+            for agent, out in enumerate(outs):
                 buffer.insert_turn(step, agent, out)
                 tokens += int(out.response_mask.sum())
-                for e in range(E):
-                    turns[e].append((self.roles[agent], out.texts[e]))
-            actions = [[reply for _, reply in env_turns] for env_turns in turns]
+            actions = [[out.texts[e] for out in outs] for e in range(E)]  # (E, N) replies
             self.obs, rewards, dones, infos = self.envs.step(actions)
             buffer.insert_step(step, rewards, dones)
             self.episode_returns += np.asarray(rewards, dtype=np.float64).mean(-1)
@@ -94,10 +91,11 @@ class Runner:
                 if "correct" in final_info:
                     finished_correct.append(float(final_info["correct"]))
                 self.episode_returns[e] = 0.0
-        with torch.no_grad():
-            private = [env.private_observations()[0] for env in self.envs.envs]
-            prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
-            buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask).float().cpu()
+        if not buffer.dones[T - 1].all():  # the value of the first agent's next turn bootstraps unfinished episodes
+            with torch.no_grad():
+                private = [env.private_observations()[0] for env in self.envs.envs]
+                prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
+                buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask).float().cpu()
         seconds = time.perf_counter() - start
         self.env_steps += T * E
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
@@ -140,15 +138,11 @@ class Runner:
             ep_return = np.zeros(len(batch))
             last_correct = np.zeros(len(batch))
             while live:
-                turns = [[] for _ in live]
                 private = [envs[i].private_observations() for i in live]
-                for agent in range(team.n_agents):
-                    out = team.act(agent, [obs[i] for i in live], turns, [p[agent] for p in private])
-                    for j in range(len(live)):
-                        turns[j].append((self.roles[agent], out.texts[j]))
+                outs = team.play_step([obs[i] for i in live], private, with_values=False)  # one per agent
                 still_live = []
                 for j, i in enumerate(live):
-                    obs[i], rewards, terminated, truncated, info = envs[i].step([reply for _, reply in turns[j]])
+                    obs[i], rewards, terminated, truncated, info = envs[i].step([out.texts[j] for out in outs])
                     ep_return[i] += float(np.mean(rewards))
                     last_correct[i] = float(info.get("correct", 0.0))
                     if not (terminated or truncated):
