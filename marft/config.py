@@ -102,7 +102,7 @@ class AlgoConfig:
     num_mini_batch: int = 1
     """Minibatches each rollout batch is split into per epoch (one optimizer step each)."""
     gradient_cp_steps: int = 1
-    """Gradient accumulation: each minibatch is processed in this many chunks to save memory."""
+    """Gradient accumulation: each agent's minibatch is processed in this many chunks to save memory (the critic's, which holds every agent's turns, in n_agents times as many)."""
     clip_param: float = 0.2
     """PPO ratio clip range."""
     value_clip_param: float = 0.2

@@ -33,7 +33,7 @@ def oom_message(config, iteration: int, n_agents: int, token_level: bool = False
     critic = per_agent * n_agents
     minibatch = _ceil_div(per_agent, ac.num_mini_batch)
     chunk = _ceil_div(minibatch, ac.gradient_cp_steps)
-    critic_chunk = _ceil_div(_ceil_div(critic, ac.num_mini_batch), ac.gradient_cp_steps)
+    critic_chunk = _ceil_div(_ceil_div(critic, ac.num_mini_batch), ac.gradient_cp_steps * n_agents)
     return (
         f"out of memory during the update of iteration {iteration + 1} "
         f"({'token' if token_level else 'action'} level). Batch sizes: {per_agent} turns per agent "

@@ -101,11 +101,11 @@ class APPOTrainer:
         self.team.set_active(None)
         return metrics
 
-    def _minibatches(self, n_samples: int):
-        """Per epoch: shuffled index minibatches, each split into ``gradient_cp_steps`` chunks."""
+    def _minibatches(self, n_samples: int, chunks_per_minibatch: int):
+        """Per epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks."""
         size = math.ceil(n_samples / self.config.num_mini_batch)
         for indices in torch.randperm(n_samples).split(size):
-            yield indices, indices.chunk(self.config.gradient_cp_steps)
+            yield indices, indices.chunk(chunks_per_minibatch)
 
     def _step(self, optimizer, params, loss_ok: bool, name: str) -> float:
         """Clip and apply the accumulated gradient of optimizer ``name``; skip (and count) a non-finite one.
@@ -148,7 +148,7 @@ class APPOTrainer:
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
-            for indices, chunks in self._minibatches(n):
+            for indices, chunks in self._minibatches(n, cfg.gradient_cp_steps):
                 loss_ok = True
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
@@ -171,14 +171,18 @@ class APPOTrainer:
         return {key: _nanmean(values) for key, values in stats.items()}
 
     def update_critic(self, samples: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Value-loss epochs over every agent turn (the centralized critic sees all agents)."""
+        """Value-loss epochs over every agent turn (the centralized critic sees all agents).
+
+        The critic has N times as many turns as one agent; its minibatches are cut into N times as many
+        chunks, so a forward/backward chunk holds as many turns as an agent's and peak memory does not
+        grow with the team size."""
         cfg, team = self.config, self.team
         params = team.critic_parameters()
         team.set_active("critic", trainable=True)
         n = samples["prompt_ids"].shape[0]
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for indices, chunks in self._minibatches(n):
+            for indices, chunks in self._minibatches(n, cfg.gradient_cp_steps * team.n_agents):
                 loss_ok = True
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
