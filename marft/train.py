@@ -105,8 +105,8 @@ def train(config: TrainConfig, validated=None) -> dict:
     from marft.runner.shared.runner import Runner
 
     profile, make_train_env, make_eval_env = validated or validate(config)
-    seed_everything(config.runner.seed)
-    model, tokenizer = load_base_model(config.model)
+    model, tokenizer = load_base_model(config.model)  # may build the embedded model first, which draws random numbers
+    seed_everything(config.runner.seed)  # so seed after loading: a first run and a cached run start alike
     team = AgentTeam(model, tokenizer, profile, config.model)
     trainer = make_trainer(team, config.algo)
     envs = TextVectorEnv([make_train_env] * config.runner.n_rollout_threads)

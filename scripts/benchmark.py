@@ -245,8 +245,8 @@ def build_runner(args):
 
     config = make_config(args, args.output_dir or tempfile.mkdtemp(prefix="marft_bench_run_"))
     profile, make_train_env, make_eval_env = validate(config)
-    seed_everything(args.seed)
     model, tokenizer = load_base_model(config.model)
+    seed_everything(args.seed)  # after loading, as in marft.train.train
     team = AgentTeam(model, tokenizer, profile, config.model)
     trainer = make_trainer(team, config.algo)
     envs = TextVectorEnv([make_train_env] * args.n_rollout_threads)

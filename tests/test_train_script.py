@@ -94,3 +94,30 @@ def test_help_lists_original_flag_names():
                  "--episode_length", "--num_env_steps", "--ppo_epoch", "--num_mini_batch", "--lr", "--critic_lr", "--max_new_tokens",
                  "--context_window", "--gradient_cp_steps", "--agent_iteration_interval", "--save_interval", "--seed", "--horizon", "--load_path"]:
         assert flag in result.stdout, flag
+
+
+def test_a_run_that_builds_its_model_first_starts_like_a_cached_run(random_model_dir, tmp_path, monkeypatch):
+    """Building the embedded model draws random numbers; the seed is set after loading, so the first run
+    (build, then load) and every later run (cached) train the same adapters."""
+    import random
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    load = marft.agents.loading.load_base_model
+
+    def load_after_drawing(config):
+        random.random(), np.random.rand(), torch.rand(100)  # what a model build would consume
+        return load(config)
+
+    argv = ["--model_name_or_path", random_model_dir, "--env_name", "relay_sum", "--max_new_tokens", "6",
+            "--context_window", "128", "--n_rollout_threads", "2", "--episode_length", "1", "--num_env_steps", "2",
+            "--eval_episodes", "1", "--n_eval_threads", "1"]
+    assert main([*argv, "--output_dir", str(tmp_path / "cached")]) == 0
+    monkeypatch.setattr(marft.agents.loading, "load_base_model", load_after_drawing)
+    assert main([*argv, "--output_dir", str(tmp_path / "built")]) == 0
+    for file in sorted((tmp_path / "cached" / "checkpoints" / "steps_1").rglob("*.safetensors")):
+        built = load_file(tmp_path / "built" / file.relative_to(tmp_path / "cached"))
+        for name, tensor in load_file(file).items():
+            assert torch.equal(tensor, built[name]), (file.name, name)
