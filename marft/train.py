@@ -78,11 +78,10 @@ def check_work_left(config: TrainConfig) -> None:
         FileNotFoundError: ``--load_path`` holds no complete checkpoint.
         ValueError: the checkpoint already reached ``config.num_iterations``.
     """
-    from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
+    from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state
 
     checkpoint = find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory's latest
-    _, state = read_checkpoint_meta(checkpoint)
-    done, total = int(state["iteration"]), config.num_iterations
+    done, total = int(read_trainer_state(checkpoint)["iteration"]), config.num_iterations
     if done >= total:
         rc = config.runner
         per_iteration = rc.episode_length * rc.n_rollout_threads
@@ -93,8 +92,8 @@ def check_work_left(config: TrainConfig) -> None:
         )
 
 
-def train(config: TrainConfig, validated=None) -> dict:
-    """Build everything from ``config`` and run training; returns the run summary.
+def build_runner(config: TrainConfig, validated=None):
+    """The base model, agent team, trainer, training envs and :class:`Runner` that ``config`` describes.
 
     ``validated`` is the result of :func:`validate` when the caller already checked the inputs.
     """
@@ -112,7 +111,12 @@ def train(config: TrainConfig, validated=None) -> dict:
     envs = TextVectorEnv([make_train_env] * config.runner.n_rollout_threads)
     run_dir = default_run_dir(config)
     logger.info("run directory: %s", run_dir)
-    runner = Runner(config, team, trainer, envs, make_eval_env, run_dir)
+    return Runner(config, team, trainer, envs, make_eval_env, run_dir)
+
+
+def train(config: TrainConfig, validated=None) -> dict:
+    """Build everything from ``config`` (:func:`build_runner`) and run training; returns the run summary."""
+    runner = build_runner(config, validated)
     start = time.perf_counter()
     summary = runner.run()
     summary["seconds"] = time.perf_counter() - start

@@ -184,21 +184,18 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
 def bench_learning(args) -> dict:
     """Train on the env's train split; report success on held-out episodes of the test split (tasks
     never trained on) and on fresh episodes of the training tasks, before and after."""
-    from marft.train import build_env_factories
-
     args.output_dir = args.output_dir or str(Path("results") / "benchmark" / time.strftime("%Y%m%d-%H%M%S"))
-    runner, config = build_runner(args)
-    make_train_env, _ = build_env_factories(config, runner.team.profile)
+    runner, config, make_train_env = build_runner(args)
     print(
         f"learning: {args.algorithm_name} on {args.env_name}, {config.num_iterations} iterations of "
         f"{args.n_rollout_threads} envs x {args.episode_length} steps, agent_iteration_interval {args.agent_iteration_interval}",
         flush=True,
     )
-    train_tasks_before = evaluate_on(runner, make_train_env)
+    train_tasks_before = runner.evaluate(make_env=make_train_env)
     start = time.perf_counter()
     summary = runner.run()  # evaluates on the test split before and after training
     seconds = time.perf_counter() - start
-    train_tasks_after = evaluate_on(runner, make_train_env)
+    train_tasks_after = runner.evaluate(make_env=make_train_env)
     print(f"training tasks, fresh episodes: success {train_tasks_before['accuracy']:.3f} -> {train_tasks_after['accuracy']:.3f}", flush=True)
     plot = plot_learning_curve(Path(args.output_dir) / "logs")
     print(f"learning curve: {plot}", flush=True)
@@ -221,39 +218,21 @@ def bench_learning(args) -> dict:
     })
 
 
-def evaluate_on(runner, make_env) -> dict:
-    """``runner.evaluate`` on environments from ``make_env`` (its own RNG stream: training is unchanged)."""
-    make_eval_env = runner.make_eval_env
-    runner.make_eval_env = make_env
-    try:
-        return runner.evaluate()
-    finally:
-        runner.make_eval_env = make_eval_env
-
-
 # ---------------------------------------------------------------------------- shared setup
 
 
 def build_runner(args):
-    """Model, team, trainer and runner on a throw-away run directory; returns ``(runner, config)``."""
-    from marft.agents.loading import load_base_model
-    from marft.agents.team import AgentTeam
-    from marft.algorithms import make_trainer
-    from marft.envs.vector import TextVectorEnv
-    from marft.runner.shared.runner import Runner
-    from marft.train import seed_everything, validate
+    """The library's runner (``marft.train.build_runner``) on a throw-away run directory unless
+    ``--output_dir``; returns ``(runner, config, make_train_env)``."""
+    from marft import train
 
     config = make_config(args, args.output_dir or tempfile.mkdtemp(prefix="marft_bench_run_"))
-    profile, make_train_env, make_eval_env = validate(config)
-    model, tokenizer = load_base_model(config.model)
-    seed_everything(args.seed)  # after loading, as in marft.train.train
-    team = AgentTeam(model, tokenizer, profile, config.model)
-    trainer = make_trainer(team, config.algo)
-    envs = TextVectorEnv([make_train_env] * args.n_rollout_threads)
-    runner = Runner(config, team, trainer, envs, make_eval_env, Path(config.runner.output_dir))
+    validated = train.validate(config)
+    runner = train.build_runner(config, validated)
+    team = runner.team
     n_base = sum(p.numel() for n, p in team.model.named_parameters() if "lora_" not in n)
     print(f"model {model_label(args)}: {n_base / 1e6:.1f}M base parameters on {team.device} ({args.dtype})", flush=True)
-    return runner, config
+    return runner, config, validated[1]
 
 
 def setup_fields(args, team) -> dict:
@@ -339,7 +318,7 @@ def plain_generate(team, turns, adapters: bool = True) -> float:
 
 
 def bench_rollout(args) -> dict:
-    runner, config = build_runner(args)
+    runner, config, _ = build_runner(args)
     team = runner.team
     runner.collect()  # warm-up
     marft_s = generate_s = base_s = 0.0
@@ -438,7 +417,7 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
 def bench_update(args) -> dict:
     from marft.agents.team import CRITIC_ADAPTER
 
-    runner, config = build_runner(args)
+    runner, config, _ = build_runner(args)
     team, trainer = runner.team, runner.trainer
     buffer, _ = runner.collect()
     trainer.compute_advantages(buffer)
@@ -480,7 +459,7 @@ def bench_update(args) -> dict:
 
 
 def bench_iteration(args) -> dict:
-    runner, config = build_runner(args)
+    runner, config, _ = build_runner(args)
     team, trainer = runner.team, runner.trainer
     if team.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

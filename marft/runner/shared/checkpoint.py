@@ -139,6 +139,11 @@ def read_checkpoint_meta(path: str | Path) -> tuple[dict, dict]:
     return _read_json(path / "config.json"), _read_json(path / "trainer_state.json")
 
 
+def read_trainer_state(path: str | Path) -> dict:
+    """A checkpoint's ``trainer_state.json`` alone, not checked against the manifest (that happens on load)."""
+    return _read_json(Path(path) / "trainer_state.json")
+
+
 def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
     """Restore adapters (trainable), value head, optimizers and RNG states; return the trainer state.
 

@@ -108,14 +108,16 @@ class Runner:
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, n_episodes: int | None = None) -> dict[str, float]:
-        """Held-out evaluation on its own RNG stream, so evaluating never changes what training samples."""
+    def evaluate(self, n_episodes: int | None = None, make_env: Callable | None = None) -> dict[str, float]:
+        """Held-out evaluation on its own RNG stream, so evaluating never changes what training samples.
+
+        ``make_env`` builds the environments to evaluate on (default: the held-out ``make_eval_env``)."""
         devices = [self.team.device] if self.team.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.config.runner.seed + 1_000_000)
-            return self._evaluate(n_episodes)
+            return self._evaluate(n_episodes, make_env or self.make_eval_env)
 
-    def _evaluate(self, n_episodes: int | None = None) -> dict[str, float]:
+    def _evaluate(self, n_episodes: int | None, make_env: Callable) -> dict[str, float]:
         """Play held-out episodes with the current team (sampling as in training).
 
         Environments that expose ``num_problems`` are evaluated on problems ``k % num_problems``
@@ -124,9 +126,9 @@ class Runner:
         whose last step was correct, when the env reports ``correct``) and mean team ``return``.
         """
         rc, team = self.config.runner, self.team
-        probe = self.make_eval_env()
+        probe = make_env()
         n = n_episodes or rc.eval_episodes
-        envs = [probe] + [self.make_eval_env() for _ in range(min(rc.n_eval_threads, n) - 1)]
+        envs = [probe] + [make_env() for _ in range(min(rc.n_eval_threads, n) - 1)]
         returns, correct = [], []
         for first in range(0, n, len(envs)):
             batch = list(range(first, min(first + len(envs), n)))
