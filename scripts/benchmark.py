@@ -60,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--env_name", default="relay_sum", help="registered environment (relay_sum or math)")
     p.add_argument("--n_rollout_threads", type=int, default=16, help="parallel envs")
     p.add_argument("--episode_length", type=int, default=2, help="team steps per env per iteration")
-    p.add_argument("--num_env_steps", type=int, default=16384, help="learning: env steps to train for (16384 = 512 iterations of 16 x 2)")
+    p.add_argument("--num_env_steps", type=int, default=12288, help="learning: env steps to train for (12288 = 384 iterations of 16 x 2)")
     p.add_argument("--max_new_tokens", type=int, default=16)
     p.add_argument("--context_window", type=int, default=256)
     p.add_argument("--horizon", type=int, default=1)
@@ -272,7 +272,7 @@ def turns_of(buffer, device) -> list[tuple[int, torch.Tensor, torch.Tensor, int]
 def phase_timer(team, totals: dict):
     """Time the team's phases (encode, generate, score, values, decode) by wrapping its methods."""
     names = {"encode_prompts": "encode", "generate": "generate", "response_logprobs": "score_logprobs",
-             "values": "critic_values", "token_values": "critic_values", "decode": "decode"}
+             "values": "critic_values", "token_values": "critic_values", "value_turns": "critic_values", "decode": "decode"}
     originals = {name: getattr(team, name) for name in names}
 
     def wrap(name, fn):

@@ -48,8 +48,15 @@ def test_only_the_keeper_sees_the_key():
 def test_splits_are_disjoint_and_cover_every_pair():
     train, test = relay_tasks("train"), relay_tasks("test")
     assert not set(train) & set(test)
-    assert sorted(train + test) == [(k, n) for k in range(10) for n in range(10)]
-    assert len(test) == 20
+    assert sorted(train + test) == [(k, 10 * t) for k in range(10) for t in range(1, 10)]
+    assert len(test) == 18
+    assert {key for key, _ in test} != {0} and len({number for _, number in test}) > 1  # a real mix of pairs
+
+
+@pytest.mark.parametrize("kwargs", [{"n_keys": 1}, {"n_keys": 11}, {"n_tens": 0}])
+def test_bad_task_sizes_are_refused(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        RelaySumEnv(**kwargs)
 
 
 @pytest.mark.parametrize("horizon", [1, 3])
@@ -100,9 +107,9 @@ def test_guessing_without_the_key_succeeds_rarely():
     for seed in range(n):
         env.reset(seed=seed)
         number = int(env.episode.problem.split("+")[1].rstrip("?"))
-        random_hits += env.transition(env.episode, ["", f"\\boxed{{{rng.integers(0, 19)}}}"]).outcome.solved
+        random_hits += env.transition(env.episode, ["", f"\\boxed{{{rng.integers(10, 100)}}}"]).outcome.solved
         blind_hits += env.transition(env.episode, ["", f"\\boxed{{{number + rng.integers(0, 10)}}}"]).outcome.solved
-    assert random_hits / n < 0.1 and blind_hits / n < 0.15  # expected 1/19 and 1/10; the optimum is 1.0
+    assert random_hits / n < 0.03 and blind_hits / n < 0.15  # expected 1/90 and 1/10; the optimum is 1.0
 
 
 def test_answering_agent_must_not_be_the_keeper():

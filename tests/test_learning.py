@@ -21,8 +21,9 @@ ITERATIONS = 32
 N_ENVS = 16
 EPISODE_LENGTH = 2
 WINDOW = 8
-MARGIN = 0.1
-"""The mean reward of the last ``WINDOW`` iterations must beat that of the first by this much."""
+MARGIN = 0.3
+"""The mean reward of the last ``WINDOW`` iterations must beat that of the first by this much (measured:
++0.66; with the gradient's sign flipped -0.07, with zero advantages +0.02; the controls must stay below half)."""
 
 
 def step_rewards(tmp_path) -> list[float]:

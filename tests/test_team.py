@@ -60,6 +60,28 @@ def test_rollout_logprobs_match_plain_reference(random_model_dir, temperature, t
         assert torch.isfinite(out.logprobs).all()
 
 
+@pytest.mark.parametrize("context_window", [256, 72])  # 72: long histories are cut from the left
+def test_generation_with_a_shared_role_header_samples_as_plain_generate(random_model_dir, context_window):
+    """The role header run once for the batch (its keys/values shared) samples the same replies with the
+    same log-probs as plain ``generate`` on the left-padded prompts, under each agent's own adapter."""
+    team = make_team(random_model_dir, context_window=context_window, max_new_tokens=8)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    private = ["x = 7", "", "x = 12345"]
+    for agent, earlier in ((0, [[]] * 3), (1, [[("Reasoner", "hi")], [("Reasoner", "a longer reply here")], []])):
+        prompt_ids, prompt_mask = team.encode_prompts(agent, HISTORIES, earlier, private if agent == 0 else None)
+        adapter = team.agent_adapters[agent]
+        torch.manual_seed(1)
+        plain = team.generate(adapter, prompt_ids, prompt_mask)
+        torch.manual_seed(1)
+        shared = team.generate(adapter, prompt_ids, prompt_mask, agent)
+        assert torch.equal(shared[0], plain[0]) and torch.equal(shared[1], plain[1])
+        torch.testing.assert_close(shared[2], plain[2], atol=1e-5, rtol=0)
+        assert shared[1].sum(1).min() > 0 and len({tuple(r.tolist()) for r in shared[0]}) > 1  # real, different replies
+
+
 def test_reply_mask_stops_after_first_eos():
     eos = 7
     ids = torch.tensor([[1, 2, 7, 7, 7], [7, 7, 7, 7, 7], [1, 2, 3, 4, 5], [1, 7, 3, 0, 0]])
@@ -199,6 +221,64 @@ def test_a_team_step_lets_each_agent_see_the_earlier_replies_and_values_every_tu
             torch.testing.assert_close(out.values, team.values(out.prompt_ids, out.prompt_mask), atol=1e-5, rtol=0)
     evaluation = team.play_step(HISTORIES, private, with_values=False)
     assert all(out.values is None for out in evaluation)
+
+
+@pytest.mark.parametrize(
+    "profile,context_window",
+    [("reasoner_actor", 256), ("reasoner_actor", 72), ("planner_solver_verifier", 256), ("reasoner_actor_anonymous", 256)],
+)  # 72: long histories are cut from the left; 3 agents: role headers of different lengths; anonymous: no headers
+def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(random_model_dir, profile, context_window):
+    """A team step's values (one forward for the role headers, one for every prompt behind them) equal one
+    plain forward per prompt, for every agent, with private observations and trained (non-zero) adapters,
+    so the shared keys/values must be the critic's and each row's own agent's."""
+    torch.manual_seed(0)
+    config = ModelConfig(model_name_or_path=random_model_dir, max_new_tokens=6, context_window=context_window)
+    model, tokenizer = load_base_model(config)
+    team = AgentTeam(model, tokenizer, load_profile(profile), config)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    private = [["x = 7"] + [""] * (team.n_agents - 1), [""] * team.n_agents, ["x = 12345"] + [""] * (team.n_agents - 1)]
+    for token_level in (False, True):
+        for agent, out in enumerate(team.play_step(HISTORIES, private, token_values=token_level)):
+            with torch.no_grad():
+                plain = team.values(out.prompt_ids, out.prompt_mask)
+                one_agent = team.values(out.prompt_ids, out.prompt_mask, agent=agent)
+                torch.testing.assert_close(out.values, plain, atol=1e-5, rtol=0)
+                torch.testing.assert_close(one_agent, plain, atol=1e-5, rtol=0)
+                if token_level:
+                    plain_tokens = team.token_values(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+                    torch.testing.assert_close(out.token_values, plain_tokens, atol=1e-5, rtol=0)
+            assert plain.std() > 0  # the prompts really differ
+            if team.header_ids[agent] and team.header_ids[agent] != team.header_ids[agent - 1]:
+                with pytest.raises(ValueError, match="role header"):
+                    team.values(out.prompt_ids, out.prompt_mask, agent=agent - 1)
+
+
+def test_frozen_adapters_reuse_role_headers_and_forbid_training(random_model_dir):
+    """Inside ``frozen_adapters`` (a rollout) each adapter's role headers run once; the steps sample and value
+    exactly as without it, and training an adapter there is refused (its cached headers would go stale)."""
+    team = make_team(random_model_dir)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    private = [["x = 7", ""]] * len(HISTORIES)
+    torch.manual_seed(3)
+    plain = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
+    torch.manual_seed(3)
+    with team.frozen_adapters():
+        frozen = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
+        assert sorted(team._header_memo) == [("actor", (1,)), ("critic", (0, 1)), ("reasoner", (0,))]
+        with pytest.raises(RuntimeError, match="frozen"):
+            team.set_active(team.agent_adapters[0], trainable=True)
+    assert team._header_memo is None
+    for plain_step, frozen_step in zip(plain, frozen):
+        for a, b in zip(plain_step, frozen_step):
+            assert torch.equal(a.response_ids, b.response_ids) and a.texts == b.texts
+            for field in ("logprobs", "values", "token_values"):
+                torch.testing.assert_close(getattr(a, field), getattr(b, field), atol=1e-5, rtol=0)
 
 
 def test_tppo_raises_the_logprob_of_advantaged_tokens(random_model_dir):

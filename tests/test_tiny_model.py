@@ -52,3 +52,49 @@ def test_random_model_vocab_texts_and_heads(tmp_path):
     assert config.num_attention_heads == 2 and config.vocab_size == len(tokenizer) <= 300
     assert tokenizer.decode(tokenizer("\\boxed{12}", add_special_tokens=False).input_ids) == "\\boxed{12}"
 
+
+
+def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
+    """The warm start teaches the replies to exactly the token ids the team will be prompted with:
+    arithmetic (math env) and relay_sum, whose Reasoner prompt holds the private key."""
+    import numpy as np
+
+    from marft.agents.loading import load_base_model
+    from marft.agents.team import AgentTeam
+    from marft.config import ModelConfig
+    from marft.envs.cooperative import keeper_observation, relay_problem, relay_tasks
+    from marft.envs.math.arithmetic import generate_arithmetic
+    from marft.envs.profile import load_profile
+    from marft.models.tiny import _sft_examples
+    from marft.prompting import format_problem
+
+    config = ModelConfig(model_name_or_path=random_model_dir, context_window=256)
+    model, tokenizer = load_base_model(config)
+    team = AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config)
+    examples = _sft_examples(lambda t: tokenizer(t, add_special_tokens=False).input_ids, tokenizer.eos_token_id, TinyRecipe(), np.random.default_rng(0))
+    arithmetic = generate_arithmetic("train") + generate_arithmetic("test")
+    pairs = relay_tasks("train") + relay_tasks("test")
+    assert len(examples) == 2 * (len(arithmetic) + len(pairs))  # a Reasoner and an Actor example per task
+
+    def team_prompt(agent, problem, turns, private=None):
+        ids, mask = team.encode_prompts(agent, [format_problem(problem)], [turns], private)
+        return ids[0][mask[0].bool()].tolist()
+
+    def reply_text(reply_ids):
+        return tokenizer.decode(reply_ids[:-1]).strip()
+
+    row = arithmetic[0]
+    (reasoner_prompt, reasoning), (actor_prompt, final) = examples[0], examples[1]
+    assert reasoner_prompt == team_prompt(0, row["problem"], [])
+    assert actor_prompt == team_prompt(1, row["problem"], [("Reasoner", reply_text(reasoning))])
+    told = 0
+    for i, (key, number) in enumerate(pairs):
+        (reasoner_prompt, reasoning), (actor_prompt, final) = examples[2 * (len(arithmetic) + i) : 2 * (len(arithmetic) + i) + 2]
+        problem = relay_problem(key, number)["problem"]
+        assert reasoner_prompt == team_prompt(0, problem, [], [keeper_observation(key)])
+        assert actor_prompt == team_prompt(1, problem, [("Reasoner", reply_text(reasoning))])  # the Actor never sees the key
+        used, plus, shown, equals, result = reply_text(reasoning).split()
+        assert (plus, int(shown), equals, int(result)) == ("+", number, "=", int(used) + number)
+        assert reply_text(final).startswith("\\boxed{") and reasoning[-1] == final[-1] == tokenizer.eos_token_id
+        told += int(used) == key
+    assert 0.1 < told / len(pairs) < 0.5  # the keeper mostly guesses: RL has to teach it to tell

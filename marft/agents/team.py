@@ -6,10 +6,12 @@ owns its own LoRA adapter plus a linear value head on the last hidden state.
 Memory therefore grows with the number of agents only by their adapters.
 
 The critic values each turn from the acting agent's own prompt (role header, private
-observation, history). A role-free critic view of the global state (``env.state()`` plus the
-cue) was tried: its prompts are a third as long and it explained more of the return's
-variance (0.7 against 0.3), but with it ``scripts/benchmark.py learning`` reached 0.43
-instead of 0.88 success on the training tasks in 512 iterations.
+observation, history). The role header is the same for a whole batch, so in rollouts the
+critic runs it once and shares its keys/values (:meth:`AgentTeam.critic_states`). A
+role-free critic view of the global state (``env.state()`` plus the cue) was tried on the
+earlier, arithmetic-bound version of ``relay_sum``: its prompts are a third as long and it
+explained more of the return's variance (0.7 against 0.3), but learning there was worse
+(0.43 against 0.88 success on the training tasks in 512 iterations).
 
 Tensor layout used throughout (B = batch of prompts, P = prompt length,
 L = reply length, V = vocabulary):
@@ -21,7 +23,9 @@ L = reply length, V = vocabulary):
 
 from __future__ import annotations
 
+import copy
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -155,6 +159,7 @@ class AgentTeam(nn.Module):
                     f"the role header of {spec.role!r} is {len(ids)} tokens, more than the prompt budget "
                     f"({self.max_prompt_len} = --context_window - --max_new_tokens); raise --context_window"
                 )
+        self._header_memo: dict | None = None  # role-header keys/values per (adapter, agents), inside frozen_adapters()
         self.set_active(None)
         self.logprobs_from_generate = next(base_model.parameters()).dtype == torch.float32
         """Take rollout log-probs from generate's own logits (float32: they equal a scoring forward's to ~1e-6);
@@ -183,6 +188,8 @@ class AgentTeam(nn.Module):
         peft's ``set_adapter`` flips ``requires_grad`` on its own; we reset it explicitly so that
         exactly the adapter being trained (and nothing else) receives gradients.
         """
+        if trainable and adapter is not None and self._header_memo is not None:
+            raise RuntimeError("the adapters are frozen inside frozen_adapters() (a rollout); train outside it")
         if adapter is not None:
             self.model.set_adapter(adapter)
         for name, p in self.model.named_parameters():
@@ -218,7 +225,8 @@ class AgentTeam(nn.Module):
         bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
         headers = [self.header_ids[agent]] * len(bodies)
         if private is not None and any(private):
-            headers = [self.header_ids[agent] + self._encode(format_private(text)) for text in private]
+            private_ids = self.tokenizer([format_private(text) for text in private], add_special_tokens=False).input_ids
+            headers = [self.header_ids[agent] + ids for ids in private_ids]
         rows = []
         for header, ids in zip(headers, self.tokenizer(bodies, add_special_tokens=False).input_ids):
             budget = self.max_prompt_len - len(header)
@@ -276,50 +284,160 @@ class AgentTeam(nn.Module):
             entropy = -(logp_all.exp() * logp_all).sum(-1) * response_mask  # (B, L)
         return logprobs, entropy
 
-    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
-        """Centralized critic: V(prompt) from the last prompt token's hidden state. (B, P) → (B,)."""
+    # ------------------------------------------------------------------ shared role headers
+    @contextmanager
+    def frozen_adapters(self):
+        """A stretch in which no adapter changes (a rollout, an evaluation): each adapter's role-header
+        keys/values are computed once and reused by every call inside, instead of once per call."""
+        if self._header_memo is not None:
+            yield
+            return
+        self._header_memo = {}
+        try:
+            yield
+        finally:
+            self._header_memo = None
+
+    def header_cache(self, agents: Sequence[int]):
+        """Run the listed agents' role headers once, through the active adapter, in one forward.
+
+        Every prompt of agent a is ``[pads][header_a][rest]`` (``encode_prompts``); a batch of a's prompts
+        can run its header once and share its keys/values instead of computing them in every row.
+
+        Returns ``(cache, header_ids (n, Hmax), header_mask (n, Hmax))``, headers left-padded to the
+        longest, or ``(None, ...)`` when no listed agent has a header (anonymous profiles). Inside
+        :meth:`frozen_adapters` the result is computed once per adapter and agents.
+        """
+        agents = tuple(agents)
+        memo_key = (str(self.model.active_adapter), agents)
+        if self._header_memo is not None and memo_key in self._header_memo:
+            cache, header_ids, header_mask = self._header_memo[memo_key]
+            return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given
+        headers = [self.header_ids[a] for a in agents]
+        width = max(len(h) for h in headers)
+        header_ids = torch.full((len(headers), width), self.pad_id, dtype=torch.long, device=self.device)
+        header_mask = torch.zeros((len(headers), width), dtype=torch.long, device=self.device)
+        for row, header in enumerate(headers):
+            if header:
+                header_ids[row, width - len(header) :] = torch.tensor(header, device=self.device)
+                header_mask[row, width - len(header) :] = 1
+        if width == 0:
+            return None, header_ids, header_mask
+        decoder = self.model.get_base_model().get_decoder()
+        cache = decoder(
+            input_ids=header_ids, attention_mask=header_mask, position_ids=position_ids_from_mask(header_mask), use_cache=True,
+        ).past_key_values  # header positions 0..h_a-1, as in every row of agent a
+        if self._header_memo is not None:
+            self._header_memo[memo_key] = (copy.deepcopy(cache), header_ids, header_mask)
+        return cache, header_ids, header_mask
+
+    def header_rests(self, agent: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What follows agent ``agent``'s role header in each of its left-padded prompts. (B, P) → (B, P - h) ids and mask.
+
+        Row b's rest fills its last len_b - h columns, so dropping the first h columns keeps every rest,
+        and the mask of what is left is the prompt mask shifted by h."""
+        header = self.header_ids[agent]
+        h = len(header)
+        if h == 0:
+            return prompt_ids, prompt_mask
+        starts = prompt_mask.shape[1] - prompt_mask.sum(1, keepdim=True)  # (B, 1) first real column
+        columns = starts + torch.arange(h, device=prompt_ids.device)  # (B, h)
+        if (columns >= prompt_ids.shape[1]).any() or not torch.equal(
+            prompt_ids.gather(1, columns.clamp(max=prompt_ids.shape[1] - 1)), prompt_ids.new_tensor(header).expand(len(prompt_ids), -1)
+        ):
+            raise ValueError(f"a prompt of agent {agent} does not start with its role header; encode it with encode_prompts")
+        return prompt_ids[:, h:], prompt_mask[:, :-h]
+
+    def behind_headers(self, agents: torch.Tensor, header, rest_ids: torch.Tensor, rest_mask: torch.Tensor):
+        """Rows re-packed behind their agent's shared header: ``[header][pads][rest]``.
+
+        Args: ``agents (B,)`` each row's agent; ``header``: :meth:`header_cache` of all agents (row a = agent a);
+        ``rest_ids``/``rest_mask (B, S)``: what follows each row's header, left-padded.
+        Returns ``(cache, ids (B, Hmax + S), mask (B, Hmax + S))``: the cache holds the Hmax header columns (pass
+        ``ids[:, Hmax:]`` to a forward), and pad-aware positions from ``mask`` equal those of the unshared rows.
+        """
+        cache, header_ids, header_mask = header
+        ids = torch.cat([header_ids[agents], rest_ids], dim=1)
+        mask = torch.cat([header_mask[agents], rest_mask], dim=1)
+        if cache is not None:
+            cache.batch_select_indices(agents)
+        return cache, ids, mask
+
+    # ------------------------------------------------------------------ critic
+    def critic_states(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
+        agent: int | None = None,
+    ) -> torch.Tensor:
+        """The critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H).
+
+        With ``agent``, the prompts are that agent's: its role header is run once for the batch and the
+        B prompts cost only what comes after it. S may then be shorter than P + L, but the last columns
+        are the same positions either way: index from the end.
+        """
         self.model.set_adapter(CRITIC_ADAPTER)
         decoder = self.model.get_base_model().get_decoder()
-        hidden = decoder(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=position_ids_from_mask(prompt_mask),
-            use_cache=False,
-        ).last_hidden_state  # (B, P, H)
+        B = prompt_ids.shape[0]
+        if response_ids is None:
+            response_ids = prompt_ids.new_zeros((B, 0))
+            response_mask = prompt_mask.new_zeros((B, 0))
+        cache, width = None, 0
+        if agent is not None:
+            rest_ids, rest_mask = self.header_rests(agent, prompt_ids, prompt_mask)
+            header = self.header_cache([agent])
+            cache, prompt_ids, prompt_mask = self.behind_headers(prompt_ids.new_zeros(B), header, rest_ids, rest_mask)
+            width = header[1].shape[1]
+        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, width + S)
+        return decoder(
+            input_ids=torch.cat([prompt_ids, response_ids], dim=1)[:, width:], attention_mask=mask,
+            position_ids=position_ids_from_mask(mask)[:, width:], past_key_values=cache, use_cache=cache is not None,
+        ).last_hidden_state  # (B, S, H)
+
+    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> torch.Tensor:
+        """Centralized critic: V(prompt) from the last prompt token's hidden state. (B, P) → (B,).
+
+        ``agent``: the prompts are that agent's, so its role header is run once for the batch."""
+        hidden = self.critic_states(prompt_ids, prompt_mask, agent=agent)  # (B, S, H)
         return self.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
 
     def token_values(
-        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response_ids: torch.Tensor,
+        response_mask: torch.Tensor,
+        agent: int | None = None,
     ) -> torch.Tensor:
         """Token-level critic: the value before each reply token, from the exact sampled ids.
 
         ``[:, 0]`` equals :meth:`values` of the prompt. (B, P), (B, L) → (B, L), zero at padding.
         """
-        self.model.set_adapter(CRITIC_ADAPTER)
-        decoder = self.model.get_base_model().get_decoder()
         L = response_ids.shape[1]
-        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P + L)
-        hidden = decoder(
-            input_ids=torch.cat([prompt_ids, response_ids], dim=1),
-            attention_mask=mask,
-            position_ids=position_ids_from_mask(mask),
-            use_cache=False,
-        ).last_hidden_state[:, -L - 1 : -1]  # (B, L, H): the state before reply token t
+        hidden = self.critic_states(prompt_ids, prompt_mask, response_ids, response_mask, agent)[:, -L - 1 : -1]  # (B, L, H): before token t
         return self.value_head(hidden.float()).squeeze(-1) * response_mask  # (B, L)
 
     @torch.no_grad()
-    def generate(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    def generate(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None):
         """Sample replies. Returns ``response_ids (B, max_new_tokens)``, ``response_mask`` (through the first EOS)
         and ``logprobs (B, max_new_tokens)`` of the sampled tokens as generate sampled them (zero at padding),
-        or None unless ``logprobs_from_generate``."""
+        or None unless ``logprobs_from_generate``.
+
+        ``agent``: the prompts are that agent's, so its role header is run once for the batch (:meth:`header_cache`)."""
         self.model.set_adapter(adapter)
         B, P = prompt_ids.shape
         scorer = SampledLogprobs(self.masked_logits) if self.logprobs_from_generate else None
+        cache, ids, mask = None, prompt_ids, prompt_mask
+        if agent is not None:
+            rest_ids, rest_mask = self.header_rests(agent, prompt_ids, prompt_mask)
+            cache, ids, mask = self.behind_headers(prompt_ids.new_zeros(B), self.header_cache([agent]), rest_ids, rest_mask)
         sequences = self.model.generate(
-            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self.generation_config,
+            input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=self.generation_config,
             logits_processor=LogitsProcessorList([scorer] if scorer else []),
         )
-        response = sequences[:, P:]  # (B, L')
+        response = sequences[:, ids.shape[1] :]  # (B, L')
         response_ids = torch.full((B, self.config.max_new_tokens), self.pad_id, dtype=torch.long, device=prompt_ids.device)
         response_ids[:, : response.shape[1]] = response
         response_mask = reply_mask(response_ids, self.eos_id, response.shape[1])
@@ -341,7 +459,7 @@ class AgentTeam(nn.Module):
         (no critic values: see :meth:`play_step`)."""
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private)
         adapter = self.agent_adapters[agent]
-        response_ids, response_mask, logprobs = self.generate(adapter, prompt_ids, prompt_mask)
+        response_ids, response_mask, logprobs = self.generate(adapter, prompt_ids, prompt_mask, agent)
         if logprobs is None:
             logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
         return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.decode(response_ids, response_mask))
@@ -378,17 +496,34 @@ class AgentTeam(nn.Module):
 
     @torch.no_grad()
     def value_turns(self, turns: Sequence[TurnOutput], token_values: bool = False) -> None:
-        """Critic values of each turn's prompt: fills ``values (B,)`` and, with ``token_values``,
-        ``token_values (B, L)`` (one forward per turn: prompts of different agents differ in length)."""
-        for turn in turns:
-            if not token_values:
-                turn.values = self.values(turn.prompt_ids, turn.prompt_mask)  # (B,)
-                continue
-            turn.token_values = self.token_values(turn.prompt_ids, turn.prompt_mask, turn.response_ids, turn.response_mask)  # (B, L)
-            turn.values = turn.token_values[:, 0]  # the value before the first reply token is the prompt's value
-            first = turn.response_mask[:, 0].bool()
-            if not first.all():  # empty replies have no first token: value their prompts
-                turn.values = torch.where(first, turn.values, self.values(turn.prompt_ids, turn.prompt_mask))
+        """Critic values of one team step's turns (``turns[n]`` is agent n's): fills ``values (B,)`` and,
+        with ``token_values``, ``token_values (B, L)``.
+
+        One forward for every agent's role header and one for all N x B prompts (and replies) behind them:
+        the critic's cost per step does not grow in forward calls with the team size."""
+        self.model.set_adapter(CRITIC_ADAPTER)
+        decoder = self.model.get_base_model().get_decoder()
+        rests = [self.header_rests(agent, t.prompt_ids, t.prompt_mask) for agent, t in enumerate(turns)]
+        width = max(ids.shape[1] for ids, _ in rests)
+        rest_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in rests])  # (N*B, S)
+        rest_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in rests])  # (N*B, S)
+        agents = torch.cat([torch.full((len(t.prompt_ids),), a, dtype=torch.long, device=self.device) for a, t in enumerate(turns)])
+        header = self.header_cache(range(len(turns)))
+        cache, ids, mask = self.behind_headers(agents, header, rest_ids, rest_mask)  # (N*B, Hmax + S)
+        L = turns[0].response_ids.shape[1] if token_values else 0
+        if token_values:
+            ids = torch.cat([ids, torch.cat([t.response_ids for t in turns])], dim=1)  # (N*B, Hmax + S + L)
+            mask = torch.cat([mask, torch.cat([t.response_mask for t in turns])], dim=1)
+        hmax = header[1].shape[1]
+        hidden = decoder(
+            input_ids=ids[:, hmax:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, hmax:],
+            past_key_values=cache, use_cache=cache is not None,
+        ).last_hidden_state  # (N*B, S + L, H)
+        values = self.value_head(hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (N*B, L + 1): before each reply token, then after
+        for turn, rows in zip(turns, values.split([len(t.prompt_ids) for t in turns])):
+            turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)
+            if token_values:
+                turn.token_values = rows[:, :L] * turn.response_mask  # (B, L)
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]

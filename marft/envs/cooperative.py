@@ -1,20 +1,24 @@
 """``RelaySumEnv``: a cooperative toy task with a known optimum (registered as ``relay_sum``).
 
-The team must add a hidden key to a public number. Only the first agent (the *keeper*,
-the Reasoner of ``reasoner_actor``) sees the key, in its private observation; only the
-answering agent's (the Actor's) reply is graded. So the answer can reach the box only if
-the keeper passes the key on and the answerer uses it::
+The team must add a hidden key (one digit) to a public number (a multiple of ten). Only
+the first agent (the *keeper*, the Reasoner of ``reasoner_actor``) sees the key, in its
+private observation; only the answering agent's (the Actor's) reply is graded. So the
+answer can reach the box only if the keeper passes the key on and the answerer uses it::
 
     Reasoner's prompt                    Actor's prompt
     <Reasoner role header>               <Actor role header>
-    x = 7                                Problem: What is x + 5?
-                                         Reasoner: 7 + 5 = 12
-    Problem: What is x + 5?              Actor:
-    Reasoner:                            -> "\\boxed{12}" earns 1.0 for every agent
+    x = 7                                Problem: What is x + 50?
+                                         Reasoner: 7 + 50 = 57
+    Problem: What is x + 50?             Actor:
+    Reasoner:                            -> "\\boxed{57}" earns 1.0 for every agent
 
-* Optimum: 100 % (the keeper writes ``<key> + <b> = <key + b>``, the answerer boxes it).
+* Optimum: 100 % (the keeper writes ``<key> + <number> = <key + number>``, the answerer boxes it).
 * Without the key, the best an answerer can do is guess it: ``1 / n_keys`` (10 % by default);
-  uniformly random numbers in the answer range succeed about 5 % of the time.
+  uniformly random numbers in the answer range succeed about 1 % of the time.
+* The sum of a digit and a multiple of ten is written by putting the digit after the tens:
+  no carrying, nothing to memorise. What the team must learn is the cooperation itself
+  (tell the key, use what was told), a rule that holds for every pair, so it carries over
+  to pairs never trained on.
 * The (key, number) pairs are split once, with a fixed seed, into a ``train`` and a ``test``
   split that never share a pair, so evaluation is on held-out tasks.
 
@@ -48,19 +52,33 @@ class RelayState(EpisodeState):
     """The secret number only the keeper sees."""
 
 
-def relay_tasks(split: str = "train", n_keys: int = 10, max_number: int = 9, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
+def relay_problem(key: int, number: int) -> dict:
+    """One task: ``problem`` (public text), ``answer`` (``str(key + number)``), ``key``, ``number``."""
+    return {"problem": f"What is x + {number}?", "answer": str(key + number), "key": key, "number": number}
+
+
+def keeper_observation(key: int) -> str:
+    """What only the keeper sees: ``"x = <key>"``."""
+    return f"x = {key}"
+
+
+def relay_tasks(split: str = "train", n_keys: int = 10, n_tens: int = 9, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
     """All ``(key, number)`` pairs of one split, in a seeded order; ``train`` and ``test`` are disjoint.
 
     Args:
         split: ``"train"`` or ``"test"``.
-        n_keys: keys are ``0..n_keys-1``.
-        max_number: public numbers are ``0..max_number``.
+        n_keys: keys are ``0..n_keys-1`` (at most 10: a key is one digit).
+        n_tens: public numbers are ``10, 20, ..., 10 * n_tens``.
         test_fraction: share of all pairs in the test split.
         seed: seed of the shuffle that decides the split.
     """
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
-    pairs = [(key, number) for key in range(n_keys) for number in range(max_number + 1)]
+    if not 2 <= n_keys <= 10:
+        raise ValueError(f"n_keys must be 2..10 (one key is no secret; a key is one digit), got {n_keys}")
+    if n_tens < 1:
+        raise ValueError(f"n_tens must be at least 1, got {n_tens}")
+    pairs = [(key, 10 * tens) for key in range(n_keys) for tens in range(1, n_tens + 1)]
     order = np.random.default_rng(seed).permutation(len(pairs))
     n_test = int(round(test_fraction * len(pairs)))
     chosen = order[:n_test] if split == "test" else order[n_test:]
@@ -76,8 +94,8 @@ class RelaySumEnv(MultiAgentTextEnv):
             The answering agent (last ``with_answer``) must not be agent 0, who holds the key.
         n_agents: expected team size (checked against the profile).
         horizon: attempts per episode; wrong answers get judge feedback until then.
-        n_keys: keys are ``0..n_keys-1``; guessing without the key succeeds ``1 / n_keys`` of the time.
-        max_number: public numbers are ``0..max_number``.
+        n_keys: keys are ``0..n_keys-1`` (2..10); guessing without the key succeeds ``1 / n_keys`` of the time.
+        n_tens: public numbers are ``10, 20, ..., 10 * n_tens``.
         test_fraction: share of (key, number) pairs held out in the ``test`` split.
     """
 
@@ -88,7 +106,7 @@ class RelaySumEnv(MultiAgentTextEnv):
         n_agents: int | None = None,
         horizon: int = 1,
         n_keys: int = 10,
-        max_number: int = 9,
+        n_tens: int = 9,
         test_fraction: float = 0.2,
     ):
         self.profile = list(profile) if isinstance(profile, list) else load_profile(profile, n_agents=n_agents)
@@ -98,10 +116,8 @@ class RelaySumEnv(MultiAgentTextEnv):
         self.answer_index: int = answer_agent_index(self.profile)
         if self.answer_index == 0:
             raise ValueError("relay_sum needs a team where someone other than the first agent (the key keeper) answers")
-        if n_keys < 2:
-            raise ValueError(f"n_keys must be at least 2 (one key is no secret), got {n_keys}")
         self.n_keys = n_keys
-        self.tasks: list[tuple[int, int]] = relay_tasks(split, n_keys, max_number, test_fraction)
+        self.tasks: list[tuple[int, int]] = relay_tasks(split, n_keys, n_tens, test_fraction)
         if not self.tasks:
             raise ValueError(f"the {split!r} split is empty; change test_fraction ({test_fraction})")
 
@@ -114,8 +130,7 @@ class RelaySumEnv(MultiAgentTextEnv):
             dict: ``problem`` (public text), ``answer`` (``str(key + number)``), ``key``, ``number``.
         """
         index = int(options["task_index"]) if options and "task_index" in options else int(self.np_random.integers(len(self.tasks)))
-        key, number = self.tasks[index]
-        return {"problem": f"What is x + {number}?", "answer": str(key + number), "key": key, "number": number}
+        return relay_problem(*self.tasks[index])
 
     def initial_state(self, task: dict) -> RelayState:
         base = super().initial_state(task)
@@ -125,7 +140,7 @@ class RelaySumEnv(MultiAgentTextEnv):
         """The keeper sees ``x = <key>``; nobody else sees anything private."""
         if self.episode is None:
             raise RuntimeError("call reset() first")
-        return [f"x = {self.episode.key}"] + [""] * (self.n_agents - 1)
+        return [keeper_observation(self.episode.key)] + [""] * (self.n_agents - 1)
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
         """Exact match of the answerer's last ``\\boxed{}`` with the sum; one team reward for all agents.
@@ -145,4 +160,4 @@ class RelaySumEnv(MultiAgentTextEnv):
     def state(self) -> str:
         """The critic's global view: the hidden key, then the shared history."""
         history = super().state()
-        return f"x = {self.episode.key}\n{history}"
+        return f"{keeper_observation(self.episode.key)}\n{history}"

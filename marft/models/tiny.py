@@ -2,11 +2,13 @@
 
 Nothing can be downloaded here, so ``--model_name_or_path marft-tiny`` (the default)
 builds, once, a small causal LM and a BPE tokenizer trained with ``tokenizers``, and
-warm-starts it with a short supervised pass on Reasoner → Actor arithmetic
-transcripts written exactly as the team will prompt it (``marft.prompting``). The
-warm-start labels are deliberately noisy (the Reasoner is sometimes off by a little,
-the Actor sometimes miscopies), so the sampled team is right only part of the time
-and RL has signal to improve on. The result is cached under ``$MARFT_CACHE`` (default
+warm-starts it with a short supervised pass on Reasoner → Actor transcripts written
+exactly as the team will prompt it (``marft.prompting``): the generated arithmetic of
+the math environment, and the cooperative ``relay_sum`` task. The warm-start labels
+are deliberately noisy (in arithmetic the Reasoner is sometimes off by a little; in
+``relay_sum`` it mostly ignores the hidden key and guesses one; the Actor sometimes
+miscopies), so the sampled team is right only part of the time and RL has signal to
+improve on. The result is cached under ``$MARFT_CACHE`` (default
 ``~/.cache/marft``) in a folder named after a hash of the recipe, written atomically.
 
 ``build_random_model`` saves an untrained model of any size in a second, for tests
@@ -59,6 +61,9 @@ class TinyRecipe:
     """Share of warm-start Reasoner replies with the right result (others are off by 1-3)."""
     actor_copies: float = 0.85
     """Share of warm-start Actor replies that box the Reasoner's result (others are off by 1)."""
+    keeper_tells: float = 0.15
+    """Share of warm-start ``relay_sum`` Reasoner replies that use the hidden key; the others use a
+    random digit instead (right one time in ten by chance)."""
     seed: int = 0
     """Seed of the tokenizer corpus, the initial weights and the warm-start data."""
     version: int = 1
@@ -106,6 +111,7 @@ def _qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
 
 def _corpus_texts(seed: int = 0) -> list[str]:
     """Profile prompts, arithmetic transcripts and judge feedback: what the tokenizer should know."""
+    from marft.envs.cooperative import keeper_observation, relay_problem
     from marft.envs.math.arithmetic import generate_arithmetic
 
     texts = [json.dumps(json.loads(p.read_text())) for p in sorted(PROFILES_DIR.glob("*.json"))]
@@ -114,6 +120,9 @@ def _corpus_texts(seed: int = 0) -> list[str]:
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
         a, op, b = _operands(row)
         texts.append(f"Problem: {row['problem']}\nReasoner: {a} {op} {b} = {row['answer']}\nActor: \\boxed{{{row['answer']}}}\n")
+    for key, number in _relay_pairs():
+        row = relay_problem(key, number)
+        texts.append(f"{keeper_observation(key)}\n\nProblem: {row['problem']}\nReasoner: {key} + {number} = {row['answer']}\n")
     texts.append("Judge: The answer is incorrect. Please check the reasoning and try again.\n")
     return texts
 
@@ -153,35 +162,61 @@ def _operands(row: dict) -> list[str]:
     return row["problem"].removeprefix("What is ").removesuffix("?").split()
 
 
+def _relay_pairs() -> list[tuple[int, int]]:
+    """Every (key, number) pair of ``relay_sum`` (both splits, as pretraining would cover them)."""
+    from marft.envs.cooperative import relay_tasks
+
+    return relay_tasks("train") + relay_tasks("test")
+
+
+def _noisy_copy(result: int, rng, actor_copies: float) -> str:
+    """The Actor's warm-start reply: ``"\\boxed{result}"``, sometimes off by 1."""
+    boxed = result if rng.random() < actor_copies else _off_by(result, rng, 1, 1)
+    return f"\\boxed{{{boxed}}}"
+
+
 def _noisy_replies(row: dict, rng, reasoner_correct: float, actor_copies: float) -> tuple[str, str]:
     """Warm-start replies of the Reasoner (``"3 + 4 = 7"``, result sometimes off by 1-3) and the
     Actor (``"\\boxed{7}"``, sometimes off by 1 from the Reasoner's result)."""
     a, op, b = _operands(row)
     answer = int(row["answer"])
     result = answer if rng.random() < reasoner_correct else _off_by(answer, rng)
-    boxed = result if rng.random() < actor_copies else _off_by(result, rng, 1, 1)
-    return f"{a} {op} {b} = {result}", f"\\boxed{{{boxed}}}"
+    return f"{a} {op} {b} = {result}", _noisy_copy(result, rng, actor_copies)
+
+
+def _noisy_relay_replies(key: int, number: int, rng, keeper_tells: float, actor_copies: float) -> tuple[str, str]:
+    """Warm-start replies on ``relay_sum``: the Reasoner adds the key (``"7 + 50 = 57"``) only
+    ``keeper_tells`` of the time, else a random digit; the Actor boxes its result, sometimes off by 1."""
+    used = key if rng.random() < keeper_tells else int(rng.integers(10))
+    return f"{used} + {number} = {used + number}", _noisy_copy(used + number, rng, actor_copies)
 
 
 def _sft_examples(enc, eos_id: int, recipe: TinyRecipe, rng) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, reply ids + EOS) pairs for both agents, tokenised exactly like ``AgentTeam``
     (header and body apart, no BOS; the reply after a space, as sampled after ``"Role:"``)."""
+    from marft.envs.cooperative import keeper_observation, relay_problem
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.envs.profile import load_profile
-    from marft.prompting import build_prompt, format_problem
+    from marft.prompting import build_prompt, format_private, format_problem
 
     reasoner, actor = load_profile("reasoner_actor", n_agents=2)
     examples = []
+
+    def add(problem: str, reasoner_private: str, reasoning: str, final: str) -> None:
+        history = format_problem(problem)
+        for spec, private, turns, reply in ((reasoner, reasoner_private, [], reasoning), (actor, "", [(reasoner.role, reasoning)], final)):
+            header, body = build_prompt(spec.prompt, history, turns, spec.role)
+            examples.append((enc(header) + enc(format_private(private)) + enc(body), enc(" " + reply) + [eos_id]))
+
     # The whole arithmetic table, as pretraining would cover it; the labels are noisy, so the model
     # knows the answers only in part. RL trains on the train split; evaluation uses the test split,
     # which RL never sees. (A 3-layer model cannot learn to add from 160 pairs in a minute: warming up
     # on the train split alone leaves ~18% sampled / 25% greedy on test, too little for RL to sharpen.)
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
-        history = format_problem(row["problem"])
-        reasoning, final = _noisy_replies(row, rng, recipe.reasoner_correct, recipe.actor_copies)
-        for spec, turns, reply in ((reasoner, [], reasoning), (actor, [(reasoner.role, reasoning)], final)):
-            header, body = build_prompt(spec.prompt, history, turns, spec.role)
-            examples.append((enc(header) + enc(body), enc(" " + reply) + [eos_id]))
+        add(row["problem"], "", *_noisy_replies(row, rng, recipe.reasoner_correct, recipe.actor_copies))
+    for key, number in _relay_pairs():  # the key is private to the Reasoner, as in RelaySumEnv
+        add(relay_problem(key, number)["problem"], keeper_observation(key),
+            *_noisy_relay_replies(key, number, rng, recipe.keeper_tells, recipe.actor_copies))
     return examples
 
 

@@ -70,6 +70,10 @@ class Runner:
     # ------------------------------------------------------------------ rollout
     def collect(self) -> tuple[RolloutBuffer, dict]:
         """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer."""
+        with self.team.frozen_adapters():  # role headers run once per rollout
+            return self._collect()
+
+    def _collect(self) -> tuple[RolloutBuffer, dict]:
         rc, team = self.config.runner, self.team
         T, E, N = rc.episode_length, rc.n_rollout_threads, team.n_agents
         buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id)
@@ -95,7 +99,7 @@ class Runner:
             with torch.no_grad():
                 private = [env.private_observations()[0] for env in self.envs.envs]
                 prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
-                buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask).float().cpu()
+                buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask, agent=0).float().cpu()
         seconds = time.perf_counter() - start
         self.env_steps += T * E
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
@@ -115,7 +119,8 @@ class Runner:
         devices = [self.team.device] if self.team.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.config.runner.seed + 1_000_000)
-            return self._evaluate(n_episodes, make_env or self.make_eval_env)
+            with self.team.frozen_adapters():
+                return self._evaluate(n_episodes, make_env or self.make_eval_env)
 
     def _evaluate(self, n_episodes: int | None, make_env: Callable) -> dict[str, float]:
         """Play held-out episodes with the current team (sampling as in training).
