@@ -256,6 +256,32 @@ def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(rando
                     team.values(out.prompt_ids, out.prompt_mask, agent=agent - 1)
 
 
+def test_route_applies_the_same_adapter_as_peft_set_adapter(random_model_dir):
+    """The fast adapter switch gives exactly the outputs of peft's ``set_adapter``, for every adapter, and
+    leaves ``requires_grad`` as ``set_active`` left it."""
+    team = make_team(random_model_dir)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    team.set_active("actor", trainable=True)
+    trainable = {n for n, p in team.model.named_parameters() if p.requires_grad}
+    outputs = {}
+    with torch.no_grad():
+        for adapter in team.policy_adapters + ["critic", "reasoner"]:
+            team.route(adapter)
+            routed = team.model(input_ids=ids).logits
+            assert {n for n, p in team.model.named_parameters() if p.requires_grad} == trainable
+            team.model.set_adapter(adapter)
+            assert torch.equal(routed, team.model(input_ids=ids).logits)
+            outputs[adapter] = routed
+            team.set_active("actor", trainable=True)
+    assert not torch.equal(outputs["reasoner"], outputs["actor"])  # the adapters really differ
+    with pytest.raises(ValueError, match="no adapter"):
+        team.route("nobody")
+
+
 def test_frozen_adapters_reuse_role_headers_and_forbid_training(random_model_dir):
     """Inside ``frozen_adapters`` (a rollout) each adapter's role headers run once; the steps sample and value
     exactly as without it, and training an adapter there is refused (its cached headers would go stale)."""

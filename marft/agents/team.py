@@ -32,6 +32,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 from peft import LoraConfig, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.config import ModelConfig
@@ -137,6 +138,7 @@ class AgentTeam(nn.Module):
         self.model = get_peft_model(base_model, lora, adapter_name=self.policy_adapters[0])
         for name in self.policy_adapters[1:] + [CRITIC_ADAPTER]:
             self.model.add_adapter(name, lora)
+        self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         hidden = base_model.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
         nn.init.normal_(self.value_head.weight, std=1.0 / hidden)
@@ -185,16 +187,28 @@ class AgentTeam(nn.Module):
     def set_active(self, adapter: str | None, trainable: bool = False) -> None:
         """Route forward passes through ``adapter``; only its parameters require grad when ``trainable``.
 
-        peft's ``set_adapter`` flips ``requires_grad`` on its own; we reset it explicitly so that
-        exactly the adapter being trained (and nothing else) receives gradients.
+        Exactly the adapter being trained (and nothing else) receives gradients.
         """
         if trainable and adapter is not None and self._header_memo is not None:
             raise RuntimeError("the adapters are frozen inside frozen_adapters() (a rollout); train outside it")
         if adapter is not None:
-            self.model.set_adapter(adapter)
+            self.route(adapter)
         for name, p in self.model.named_parameters():
             p.requires_grad_(trainable and adapter is not None and f".{adapter}." in name and "lora_" in name)
         self.value_head.requires_grad_(trainable and adapter == CRITIC_ADAPTER)
+
+    def route(self, adapter: str) -> None:
+        """Make ``adapter`` the one every LoRA layer applies, leaving ``requires_grad`` alone (see :meth:`set_active`).
+
+        peft's ``set_adapter`` walks every module and flips ``requires_grad`` of every adapter, several
+        milliseconds per call; a rollout switches adapters three times per team step, so this sets the
+        active adapter of the LoRA layers it found once (a test checks it against ``set_adapter``)."""
+        if adapter not in self.model.peft_config:
+            raise ValueError(f"no adapter named {adapter!r}; the team has {sorted(self.model.peft_config)}")
+        self.model.active_adapter = adapter
+        self.model.base_model.active_adapter = adapter
+        for layer in self._lora_layers:
+            layer._active_adapter = [adapter]
 
     # ------------------------------------------------------------------ prompts
     def _header(self, agent: int) -> str:
@@ -265,7 +279,7 @@ class AgentTeam(nn.Module):
         Returns: ``logprobs (B, L)`` and ``entropy (B, L)`` (or None), zero where the reply is padding.
         Only the L + 1 last positions' logits are materialised.
         """
-        self.model.set_adapter(adapter)
+        self.route(adapter)
         L = response_ids.shape[1]
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
         mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P + L)
@@ -378,7 +392,7 @@ class AgentTeam(nn.Module):
         B prompts cost only what comes after it. S may then be shorter than P + L, but the last columns
         are the same positions either way: index from the end.
         """
-        self.model.set_adapter(CRITIC_ADAPTER)
+        self.route(CRITIC_ADAPTER)
         decoder = self.model.get_base_model().get_decoder()
         B = prompt_ids.shape[0]
         if response_ids is None:
@@ -426,7 +440,7 @@ class AgentTeam(nn.Module):
         or None unless ``logprobs_from_generate``.
 
         ``agent``: the prompts are that agent's, so its role header is run once for the batch (:meth:`header_cache`)."""
-        self.model.set_adapter(adapter)
+        self.route(adapter)
         B, P = prompt_ids.shape
         scorer = SampledLogprobs(self.masked_logits) if self.logprobs_from_generate else None
         cache, ids, mask = None, prompt_ids, prompt_mask
@@ -501,7 +515,7 @@ class AgentTeam(nn.Module):
 
         One forward for every agent's role header and one for all N x B prompts (and replies) behind them:
         the critic's cost per step does not grow in forward calls with the team size."""
-        self.model.set_adapter(CRITIC_ADAPTER)
+        self.route(CRITIC_ADAPTER)
         decoder = self.model.get_base_model().get_decoder()
         rests = [self.header_rests(agent, t.prompt_ids, t.prompt_mask) for agent, t in enumerate(turns)]
         width = max(ids.shape[1] for ids, _ in rests)
