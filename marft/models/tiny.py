@@ -51,7 +51,7 @@ class TinyRecipe:
     """Transformer blocks."""
     num_heads: int = 4
     """Attention heads (2 key/value heads)."""
-    sft_steps: int = 1000
+    sft_steps: int = 1450
     """Supervised warm-start steps."""
     sft_batch_size: int = 32
     """Transcripts per warm-start step."""
