@@ -11,7 +11,7 @@ from marft.algorithms import TRAINERS
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.tppo_trainer import TPPOTrainer
 from marft.config import AlgoConfig, ModelConfig
-from marft.envs.profile import load_profile
+from marft.envs.profile import AgentSpec, load_profile
 from marft.runner.shared.buffer import RolloutBuffer
 
 HISTORIES = [
@@ -19,6 +19,10 @@ HISTORIES = [
     "Problem: What is 13 - 4?\nReasoner: 13 - 4 = 9\nActor: \\boxed{8}\nJudge: wrong, try again\n",
     "Problem: What is 1 + 1?\n",
 ]
+
+
+MIXED_PROFILE = [AgentSpec("Reasoner", "", False), AgentSpec("Actor", "You are the Actor. Box the answer.", True)]
+"""A team where one agent has a role header and the other none."""
 
 
 def make_team(model_dir, **overrides):
@@ -225,7 +229,9 @@ def test_a_team_step_lets_each_agent_see_the_earlier_replies_and_values_every_tu
 
 @pytest.mark.parametrize(
     "profile,context_window",
-    [("reasoner_actor", 256), ("reasoner_actor", 72), ("planner_solver_verifier", 256), ("reasoner_actor_anonymous", 256)],
+    [("reasoner_actor", 256), ("reasoner_actor", 72), ("planner_solver_verifier", 256), ("reasoner_actor_anonymous", 256),
+     (MIXED_PROFILE, 256)],
+    ids=["two_agents", "history_cut", "three_agents", "anonymous", "one_header_missing"],
 )  # 72: long histories are cut from the left; 3 agents: role headers of different lengths; anonymous: no headers
 def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(random_model_dir, profile, context_window):
     """A team step's values (one forward for the role headers, one for every prompt behind them) equal one
@@ -234,7 +240,7 @@ def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(rando
     torch.manual_seed(0)
     config = ModelConfig(model_name_or_path=random_model_dir, max_new_tokens=6, context_window=context_window)
     model, tokenizer = load_base_model(config)
-    team = AgentTeam(model, tokenizer, load_profile(profile), config)
+    team = AgentTeam(model, tokenizer, load_profile(profile) if isinstance(profile, str) else profile, config)
     with torch.no_grad():
         for name, p in team.model.named_parameters():
             if "lora_" in name:
@@ -251,9 +257,10 @@ def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(rando
                     plain_tokens = team.token_values(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
                     torch.testing.assert_close(out.token_values, plain_tokens, atol=1e-5, rtol=0)
             assert plain.std() > 0  # the prompts really differ
-            if team.header_ids[agent] and team.header_ids[agent] != team.header_ids[agent - 1]:
+            other = agent - 1
+            if team.header_ids[other] and team.header_ids[other] != team.header_ids[agent]:
                 with pytest.raises(ValueError, match="role header"):
-                    team.values(out.prompt_ids, out.prompt_mask, agent=agent - 1)
+                    team.values(out.prompt_ids, out.prompt_mask, agent=other)
 
 
 def test_route_applies_the_same_adapter_as_peft_set_adapter(random_model_dir):
