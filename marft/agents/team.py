@@ -362,19 +362,25 @@ class AgentTeam(nn.Module):
             raise ValueError(f"a prompt of agent {agent} does not start with its role header; encode it with encode_prompts")
         return prompt_ids[:, h:], prompt_mask[:, :-h]
 
-    def behind_headers(self, agents: torch.Tensor, header, rest_ids: torch.Tensor, rest_mask: torch.Tensor):
-        """Rows re-packed behind their agent's shared header: ``[header][pads][rest]``.
+    def behind_shared_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]]):
+        """Prompt batches of one or more agents, re-packed behind their agent's shared role header.
 
-        Args: ``agents (B,)`` each row's agent; ``header``: :meth:`header_cache` of all agents (row a = agent a);
-        ``rest_ids``/``rest_mask (B, S)``: what follows each row's header, left-padded.
-        Returns ``(cache, ids (B, Hmax + S), mask (B, Hmax + S))``: the cache holds the Hmax header columns (pass
-        ``ids[:, Hmax:]`` to a forward), and pad-aware positions from ``mask`` equal those of the unshared rows.
+        Args: ``batches``: ``(agent, prompt_ids (B_n, P_n), prompt_mask (B_n, P_n))`` per agent, as
+        ``encode_prompts`` writes them (``[pads][header][rest]``).
+        Returns ``(cache, ids (ΣB_n, Hmax + S), mask (ΣB_n, Hmax + S))``, rows in the order given, each
+        ``[header][pads][rest]``: the cache holds the Hmax header columns (:meth:`header_cache`, one forward
+        for all the agents), and pad-aware positions from ``mask`` equal those of the unshared rows.
         """
-        cache, header_ids, header_mask = header
-        ids = torch.cat([header_ids[agents], rest_ids], dim=1)
-        mask = torch.cat([header_mask[agents], rest_mask], dim=1)
+        rests = [self.header_rests(agent, ids, mask) for agent, ids, mask in batches]
+        width = max(ids.shape[1] for ids, _ in rests)
+        rest_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in rests])  # (ΣB, S)
+        rest_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in rests])  # (ΣB, S)
+        rows = torch.cat([torch.full((len(ids),), n, dtype=torch.long, device=ids.device) for n, (_, ids, _) in enumerate(batches)])  # (ΣB,)
+        cache, header_ids, header_mask = self.header_cache([agent for agent, _, _ in batches])  # row n: batches[n]'s agent
         if cache is not None:
-            cache.batch_select_indices(agents)
+            cache.batch_select_indices(rows)
+        ids = torch.cat([header_ids[rows], rest_ids], dim=1)
+        mask = torch.cat([header_mask[rows], rest_mask], dim=1)
         return cache, ids, mask
 
     # ------------------------------------------------------------------ critic
@@ -393,22 +399,23 @@ class AgentTeam(nn.Module):
         are the same positions either way: index from the end.
         """
         self.route(CRITIC_ADAPTER)
-        decoder = self.model.get_base_model().get_decoder()
-        B = prompt_ids.shape[0]
-        if response_ids is None:
-            response_ids = prompt_ids.new_zeros((B, 0))
-            response_mask = prompt_mask.new_zeros((B, 0))
-        cache, width = None, 0
+        cache = None
         if agent is not None:
-            rest_ids, rest_mask = self.header_rests(agent, prompt_ids, prompt_mask)
-            header = self.header_cache([agent])
-            cache, prompt_ids, prompt_mask = self.behind_headers(prompt_ids.new_zeros(B), header, rest_ids, rest_mask)
-            width = header[1].shape[1]
-        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, width + S)
+            cache, prompt_ids, prompt_mask = self.behind_shared_headers([(agent, prompt_ids, prompt_mask)])
+        if response_ids is not None:
+            prompt_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
+            prompt_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        return self._decoder_states(cache, prompt_ids, prompt_mask)
+
+    def _decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states of the active adapter's decoder over ``ids (B, S)``, whose first columns
+        ``cache`` (or None) already holds. → (B, S - cached, H)."""
+        cached = 0 if cache is None else cache.get_seq_length()
+        decoder = self.model.get_base_model().get_decoder()
         return decoder(
-            input_ids=torch.cat([prompt_ids, response_ids], dim=1)[:, width:], attention_mask=mask,
-            position_ids=position_ids_from_mask(mask)[:, width:], past_key_values=cache, use_cache=cache is not None,
-        ).last_hidden_state  # (B, S, H)
+            input_ids=ids[:, cached:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, cached:],
+            past_key_values=cache, use_cache=cache is not None,
+        ).last_hidden_state
 
     def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> torch.Tensor:
         """Centralized critic: V(prompt) from the last prompt token's hidden state. (B, P) → (B,).
@@ -439,14 +446,13 @@ class AgentTeam(nn.Module):
         and ``logprobs (B, max_new_tokens)`` of the sampled tokens as generate sampled them (zero at padding),
         or None unless ``logprobs_from_generate``.
 
-        ``agent``: the prompts are that agent's, so its role header is run once for the batch (:meth:`header_cache`)."""
+        ``agent``: the prompts are that agent's, so its role header is run once for the batch (:meth:`behind_shared_headers`)."""
         self.route(adapter)
-        B, P = prompt_ids.shape
+        B = prompt_ids.shape[0]
         scorer = SampledLogprobs(self.masked_logits) if self.logprobs_from_generate else None
         cache, ids, mask = None, prompt_ids, prompt_mask
         if agent is not None:
-            rest_ids, rest_mask = self.header_rests(agent, prompt_ids, prompt_mask)
-            cache, ids, mask = self.behind_headers(prompt_ids.new_zeros(B), self.header_cache([agent]), rest_ids, rest_mask)
+            cache, ids, mask = self.behind_shared_headers([(agent, prompt_ids, prompt_mask)])
         sequences = self.model.generate(
             input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=self.generation_config,
             logits_processor=LogitsProcessorList([scorer] if scorer else []),
@@ -516,23 +522,12 @@ class AgentTeam(nn.Module):
         One forward for every agent's role header and one for all N x B prompts (and replies) behind them:
         the critic's cost per step does not grow in forward calls with the team size."""
         self.route(CRITIC_ADAPTER)
-        decoder = self.model.get_base_model().get_decoder()
-        rests = [self.header_rests(agent, t.prompt_ids, t.prompt_mask) for agent, t in enumerate(turns)]
-        width = max(ids.shape[1] for ids, _ in rests)
-        rest_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in rests])  # (N*B, S)
-        rest_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in rests])  # (N*B, S)
-        agents = torch.cat([torch.full((len(t.prompt_ids),), a, dtype=torch.long, device=self.device) for a, t in enumerate(turns)])
-        header = self.header_cache(range(len(turns)))
-        cache, ids, mask = self.behind_headers(agents, header, rest_ids, rest_mask)  # (N*B, Hmax + S)
+        cache, ids, mask = self.behind_shared_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in enumerate(turns)])  # (N*B, Hmax + S)
         L = turns[0].response_ids.shape[1] if token_values else 0
         if token_values:
             ids = torch.cat([ids, torch.cat([t.response_ids for t in turns])], dim=1)  # (N*B, Hmax + S + L)
             mask = torch.cat([mask, torch.cat([t.response_mask for t in turns])], dim=1)
-        hmax = header[1].shape[1]
-        hidden = decoder(
-            input_ids=ids[:, hmax:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, hmax:],
-            past_key_values=cache, use_cache=cache is not None,
-        ).last_hidden_state  # (N*B, S + L, H)
+        hidden = self._decoder_states(cache, ids, mask)  # (N*B, S + L, H)
         values = self.value_head(hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (N*B, L + 1): before each reply token, then after
         for turn, rows in zip(turns, values.split([len(t.prompt_ids) for t in turns])):
             turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)

@@ -113,16 +113,19 @@ def _corpus_texts(seed: int = 0) -> list[str]:
     """Profile prompts, arithmetic transcripts and judge feedback: what the tokenizer should know."""
     from marft.envs.cooperative import keeper_observation, relay_problem
     from marft.envs.math.arithmetic import generate_arithmetic
+    from marft.prompting import format_private, format_problem, format_turn
 
     texts = [json.dumps(json.loads(p.read_text())) for p in sorted(PROFILES_DIR.glob("*.json"))]
     for spec_file in sorted(PROFILES_DIR.glob("*.json")):
         texts += [entry.get("prompt", "") + "\n" + entry.get("role", "") + ":" for entry in json.loads(spec_file.read_text())]
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
         a, op, b = _operands(row)
-        texts.append(f"Problem: {row['problem']}\nReasoner: {a} {op} {b} = {row['answer']}\nActor: \\boxed{{{row['answer']}}}\n")
+        reasoning, final = f"{a} {op} {b} = {row['answer']}", f"\\boxed{{{row['answer']}}}"
+        texts.append(format_problem(row["problem"]) + format_turn("Reasoner", reasoning) + format_turn("Actor", final))
     for key, number in _relay_pairs():
         row = relay_problem(key, number)
-        texts.append(f"{keeper_observation(key)}\n\nProblem: {row['problem']}\nReasoner: {key} + {number} = {row['answer']}\n")
+        reasoning = f"{key} + {number} = {row['answer']}"
+        texts.append(format_private(keeper_observation(key)) + format_problem(row["problem"]) + format_turn("Reasoner", reasoning))
     texts.append("Judge: The answer is incorrect. Please check the reasoning and try again.\n")
     return texts
 
