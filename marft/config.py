@@ -3,7 +3,10 @@
 Every field carries a docstring; :func:`build_parser` turns those docstrings into
 ``--help`` texts, so the flags and their documentation can never drift apart.
 Flag names follow the original MARFT launch script (``--algorithm_name``,
-``--n_rollout_threads``, ``--episode_length`` ...) so existing scripts keep working.
+``--n_rollout_threads``, ``--episode_length`` ...) with the original's meanings, units included
+(``--agent_iteration_interval`` and ``--warmup_steps`` count environment steps, as there), so
+existing scripts keep working. Allowed values of choice flags come from one table each
+(:data:`CHOICES`), which ``--help``, validation and the benchmark read.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
+
+from marft.agents.dtypes import DTYPES
+from marft.algorithms import TRAINERS
+from marft.algorithms.losses import NORMALIZATION_MODES
 
 
 @dataclass
@@ -36,7 +43,7 @@ class ModelConfig:
     lora_alpha: int = 16
     """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
     lora_dropout: float = 0.0
-    """Dropout on the LoRA path; keep 0 so rollout and update log-probs agree."""
+    """Dropout on the LoRA path, active in the update only (rollouts, values and scoring run in eval mode); with a non-zero value the first PPO epoch's ratio is no longer exactly 1."""
     lora_target_modules: str = "all-linear"
     """Comma-separated module names to adapt, or ``all-linear``."""
     max_new_tokens: int = 16
@@ -46,11 +53,11 @@ class ModelConfig:
     temperature: float = 1.0
     """Sampling temperature; the PPO log-probs are taken from the same tempered distribution."""
     top_k: int = 0
-    """Sample only among the k most likely tokens (0: off); log-probs are renormalised over those k."""
+    """Sample only among the k most likely tokens (0: off). The PPO log-probs are those of the tempered distribution before truncation (as in TRL), so a token that leaves the top k during the update keeps a finite ratio (counted: counters/out_of_topk_tokens)."""
     trust_remote_code: bool = False
     """Allow custom model code from the model directory (off unless asked)."""
     dtype: str = "float32"
-    """Parameter dtype of the base model: float32, bfloat16 or float16."""
+    """Parameter dtype of the base model."""
     device: str = "auto"
     """Torch device: ``auto`` picks cuda when available, else cpu."""
 
@@ -65,8 +72,11 @@ class ModelConfig:
             )
         if self.temperature <= 0:
             raise ValueError(f"--temperature must be positive, got {self.temperature}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check_choice("dtype", self.dtype)
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if self.top_k < 0:
+            raise ValueError(f"--top_k must be >= 0 (0: off), got {self.top_k}")
 
 
 @dataclass
@@ -128,26 +138,25 @@ class AlgoConfig:
     normalize_advantages: bool = True
     """Standardise advantages over each trained agent's batch."""
     normalization_mode: str = "sum"
-    """How a reply's log-prob is formed from its tokens: sum, token (mean per token) or word (sum / words)."""
+    """APPO: how a reply's log-prob is formed from its tokens: sum, token (mean per token) or word (sum / words)."""
     target_kl: Optional[float] = None
     """Stop an agent's remaining PPO epochs once its approximate KL exceeds this (None: never). Stops are counted."""
     warmup_steps: int = 0
-    """Train only the critic for this many first iterations."""
+    """Train only the critic until this many environment steps are collected (env steps, as in the original MARFT: one iteration is n_rollout_threads x episode_length)."""
     agent_iteration_interval: int = 0
-    """Train one agent at a time for this many iterations each, round-robin (0: all agents every iteration)."""
+    """Train one agent at a time, switching every this many environment steps, round-robin (0: all agents every iteration). Env steps, as in the original MARFT: its 1000 with 4 envs x 1 step switches every 250 iterations."""
     max_consecutive_skips: int = 10
     """Stop training (pointing to the last good checkpoint) once one optimizer has skipped this many minibatches in a row for a non-finite loss or gradient (0: never stop)."""
 
     def __post_init__(self):
-        if self.algorithm_name not in ("APPO", "TPPO"):
-            raise ValueError(f"--algorithm_name must be APPO or TPPO, got {self.algorithm_name!r}")
-        if self.normalization_mode not in ("sum", "token", "word"):
-            raise ValueError(f"--normalization_mode must be sum, token or word, got {self.normalization_mode!r}")
+        check_choice("algorithm_name", self.algorithm_name)
+        check_choice("normalization_mode", self.normalization_mode)
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.agent_iteration_interval < 0:
-            raise ValueError(f"--agent_iteration_interval must be >= 0, got {self.agent_iteration_interval}")
+        for name in ("agent_iteration_interval", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.max_consecutive_skips < 0:
             raise ValueError(f"--max_consecutive_skips must be >= 0, got {self.max_consecutive_skips}")
 
@@ -200,10 +209,24 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
 
+    def __post_init__(self):
+        interval, per_iteration = self.algo.agent_iteration_interval, self.steps_per_iteration
+        if 0 < interval < per_iteration:
+            raise ValueError(
+                f"--agent_iteration_interval {interval} is counted in environment steps and one iteration collects "
+                f"{per_iteration} (--n_rollout_threads x --episode_length): agents would switch more than once per "
+                f"iteration. Use a multiple of {per_iteration}, e.g. {4 * per_iteration} to switch every 4 iterations"
+            )
+
+    @property
+    def steps_per_iteration(self) -> int:
+        """Environment steps collected per training iteration (computed): ``n_rollout_threads x episode_length``."""
+        return self.runner.episode_length * self.runner.n_rollout_threads
+
     @property
     def num_iterations(self) -> int:
         """Training iterations (computed): one rollout batch and one update each."""
-        return max(1, self.runner.num_env_steps // (self.runner.episode_length * self.runner.n_rollout_threads))
+        return max(1, self.runner.num_env_steps // self.steps_per_iteration)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -222,6 +245,15 @@ class TrainConfig:
 
 
 SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner": RunnerConfig}
+
+CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES}
+"""Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
+
+
+def check_choice(flag: str, value) -> None:
+    """Raise a ``ValueError`` naming the allowed values when ``value`` is not in ``CHOICES[flag]``."""
+    if value not in CHOICES[flag]:
+        raise ValueError(f"--{flag} must be one of {', '.join(CHOICES[flag])}, got {value!r}")
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -261,15 +293,20 @@ def _flag_type(hint: Any):
     return hint
 
 
-def build_parser(description: str = "Train an LLM agent team with multi-agent PPO.") -> argparse.ArgumentParser:
-    """One flag per config field, grouped by section, help text from the field docstrings."""
+def build_parser(description: str = "Train an LLM agent team with multi-agent PPO.", with_defaults: bool = True) -> argparse.ArgumentParser:
+    """One flag per config field, grouped by section, help text from the field docstrings, allowed values
+    from :data:`CHOICES`. ``with_defaults=False`` leaves flags that are not given out of the namespace
+    (how :func:`parse_config` tells which flags were given)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for section, cls in SECTIONS.items():
         group = parser.add_argument_group(section, cls.__doc__)
         docs = field_docs(cls)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            kwargs = dict(dest=f"{section}.{f.name}", type=_flag_type(hints[f.name]), default=f.default, help=docs.get(f.name, ""))
+            default = f.default if with_defaults else argparse.SUPPRESS
+            kwargs = dict(dest=f"{section}.{f.name}", type=_flag_type(hints[f.name]), default=default, help=docs.get(f.name, ""))
+            if f.name in CHOICES:
+                kwargs["choices"] = list(CHOICES[f.name])
             if hints[f.name] is bool:
                 kwargs["nargs"] = "?"
                 kwargs["const"] = True
@@ -278,7 +315,11 @@ def build_parser(description: str = "Train an LLM agent team with multi-agent PP
 
 
 def parse_config(argv: Optional[list[str]] = None) -> tuple[TrainConfig, set[str]]:
-    """Parse flags into a :class:`TrainConfig`; also return the field names given explicitly."""
+    """Parse flags into a :class:`TrainConfig`; also return the field names given explicitly.
+
+    The given flags are what argparse itself parsed (a second pass without defaults), so abbreviated
+    flags (``--num_env 8192``) and ``--flag=value`` count as given, exactly as argparse read them.
+    """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     namespace = parser.parse_args(argv)
@@ -286,7 +327,7 @@ def parse_config(argv: Optional[list[str]] = None) -> tuple[TrainConfig, set[str
     for key, value in vars(namespace).items():
         section, name = key.split(".", 1)
         values[section][name] = value
-    given = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    given = {key.split(".", 1)[1] for key in vars(build_parser(with_defaults=False).parse_args(argv))}
     try:
         config = TrainConfig.from_dict(values)
     except ValueError as error:

@@ -107,7 +107,7 @@ def build_runner(config: TrainConfig, validated=None):
     model, tokenizer = load_base_model(config.model)  # may build the embedded model first, which draws random numbers
     seed_everything(config.runner.seed)  # so seed after loading: a first run and a cached run start alike
     team = AgentTeam(model, tokenizer, profile, config.model)
-    trainer = make_trainer(team, config.algo)
+    trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration)
     envs = TextVectorEnv([make_train_env] * config.runner.n_rollout_threads)
     run_dir = default_run_dir(config)
     logger.info("run directory: %s", run_dir)

@@ -1,6 +1,6 @@
 """Benchmarks: does the team learn where the answer is known, and what does marft cost?
 
-    python scripts/benchmark.py learning [--algorithm_name TPPO] [--agent_iteration_interval 4]
+    python scripts/benchmark.py learning [--algorithm_name TPPO] [--agent_iteration_interval 128]
     python scripts/benchmark.py rollout  [--model random --hidden_size 512 --num_layers 8]
     python scripts/benchmark.py update   [--algorithm_name TPPO]
     python scripts/benchmark.py iteration [--algorithm_name TPPO] [--n_agents 4] [--model random]
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
+from marft.config import CHOICES, AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig, field_docs
 
 QWEN25_05B_SHAPE = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -52,7 +52,7 @@ PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solve
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
-    p.add_argument("--algorithm_name", default="APPO", choices=["APPO", "TPPO"])
+    p.add_argument("--algorithm_name", default="APPO", choices=list(CHOICES["algorithm_name"]))
     p.add_argument("--model", default="marft-tiny", help="marft-tiny, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape'")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
@@ -68,16 +68,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--critic_lr", type=float, default=1e-3)
     p.add_argument("--ppo_epoch", type=int, default=2)
     p.add_argument("--num_mini_batch", type=int, default=1)
-    p.add_argument("--agent_iteration_interval", type=int, default=0)
+    p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
     p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
-    p.add_argument("--normalization_mode", default="sum", choices=["sum", "token", "word"], help="APPO: a reply's log-prob from its tokens")
+    p.add_argument("--normalization_mode", default="sum", choices=list(CHOICES["normalization_mode"]), help=field_docs(AlgoConfig)["normalization_mode"])
     p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
     p.add_argument("--eval_episodes", type=int, default=200, help="learning: evaluation episodes before and after (each on the test and the train split)")
     p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
     p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="float32", choices=list(CHOICES["dtype"]))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default=None, help="run directory (default: a temporary one; learning: results/benchmark/<time>)")
     args = p.parse_args(argv)
@@ -103,7 +103,7 @@ def build_shaped_model(path: str, shape: dict, dtype: str) -> str:
     which is fine for timing (the compute is that of the full vocabulary)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from marft.agents.loading import DTYPES
+    from marft.agents.dtypes import DTYPES
     from marft.models.tiny import build_random_model
 
     build_random_model(path)  # the tokenizer (and a tiny model, replaced below)

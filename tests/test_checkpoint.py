@@ -87,7 +87,7 @@ def dense_relay_sum():
 @pytest.mark.parametrize("algorithm", sorted(TRAINERS))
 def test_resume_is_exact(random_model_dir, tmp_path, algorithm, interval):
     """2N iterations in one go == N iterations, stop, resume (from the run directory) for N more."""
-    extra = ("--algorithm_name", algorithm, "--agent_iteration_interval", str(interval))
+    extra = ("--algorithm_name", algorithm, "--agent_iteration_interval", str(interval * E))  # env steps: every `interval` iterations
     one_go, stopped = tmp_path / "one_go", tmp_path / "stopped"
     assert main(flags(random_model_dir, 2 * N, one_go, *extra)) == 0
     assert main(flags(random_model_dir, N, stopped, *extra)) == 0
@@ -255,7 +255,7 @@ def team_and_trainer(random_model_dir):
     config = ModelConfig(model_name_or_path=random_model_dir, max_new_tokens=6, context_window=128)
     model, tokenizer = load_base_model(config)
     team = AgentTeam(model, tokenizer, load_profile(config.profile_path, n_agents=config.n_agents), config)
-    return team, make_trainer(team, AlgoConfig())
+    return team, make_trainer(team, AlgoConfig(), steps_per_iteration=1)
 
 
 def corrupt(file: Path, how: str) -> None:

@@ -15,6 +15,7 @@ from marft.envs.base import EpisodeState
 from marft.envs.math import MathEnv, load_problems
 from marft.envs.math.data import load_problem_set
 from marft.envs.profile import load_profile
+from marft.envs.cooperative import RelaySumEnv
 from marft.envs.vector import TextVectorEnv
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 
@@ -139,7 +140,7 @@ def test_multi_turn_with_judge_feedback():
         expected += format_turn(JUDGE_ROLE, FEEDBACK)
         assert obs == expected and env.state() == expected
         assert rewards.tolist() == [0.0, 0.0] and not terminated and not truncated
-        assert info == {"step": step, "answer": answer, "predicted": "-1000", "correct": False}
+        assert info == {"step": step, "answer": answer, "predicted": "-1000", "correct": False, "private_observations": ("", "")}
     obs, rewards, terminated, truncated, info = env.step(("idea 3", boxed(answer)))
     assert obs == expected + format_turn("Reasoner", "idea 3") + format_turn("Actor", boxed(answer))
     assert rewards.dtype == np.float32 and rewards.tolist() == [1.0, 1.0]
@@ -190,33 +191,53 @@ def test_profile_and_n_agents_must_agree():
 
 
 def test_vector_env_seeds_and_autoreset():
+    """gymnasium's vector API with same-step autoreset: a 5-tuple, per-env info arrays with ``_key`` masks,
+    ``final_obs`` / ``final_info`` for the envs that finished."""
     make = lambda: MathEnv("arithmetic", horizon=2)  # noqa: E731
     vec = TextVectorEnv([make] * 3)
+    assert isinstance(vec, gymnasium.vector.VectorEnv) and vec.metadata["autoreset_mode"] == gymnasium.vector.AutoresetMode.SAME_STEP
     obs, infos = vec.reset(seed=10)
     singles = [make().reset(seed=10 + k) for k in range(3)]
-    assert obs == [o for o, _ in singles] and infos == [i for _, i in singles]
-    answers = [info["answer"] for info in infos]
+    assert list(obs) == [o for o, _ in singles]
+    answers = [info["answer"] for _, info in singles]
+    assert list(infos["answer"]) == answers and infos["_answer"].all()
 
     # env 0 solves it, env 1 and 2 are wrong (first of two steps).
     actions = [["r", boxed(answers[0])], ["r", "\\boxed{-1000}"], ["r", "\\boxed{-1000}"]]
-    obs, rewards, dones, infos = vec.step(actions)
+    obs, rewards, terminated, truncated, infos = vec.step(actions)
     assert rewards.shape == (3, 2) and rewards.dtype == np.float32
     assert rewards.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]
-    assert dones.tolist() == [True, False, False]
-    assert vec.terminated.tolist() == [True, False, False] and vec.truncated.tolist() == [False] * 3
-    assert infos[0]["terminated"] and obs[0] == format_problem(vec.envs[0].episode.problem)
-    assert infos[0]["final_observation"].endswith(format_turn("Actor", boxed(answers[0])))
-    assert infos[0]["final_info"]["correct"] and infos[0]["reset_info"]["step"] == 0
-    assert obs[1].endswith(format_turn(JUDGE_ROLE, FEEDBACK)) and "final_observation" not in infos[1]
+    assert terminated.tolist() == [True, False, False] and truncated.tolist() == [False] * 3
+    assert obs[0] == format_problem(vec.envs[0].episode.problem)  # env 0 already restarted
+    assert infos["_final_obs"].tolist() == [True, False, False]
+    assert infos["final_obs"][0].endswith(format_turn("Actor", boxed(answers[0])))
+    assert infos["final_info"]["correct"][0] and infos["final_info"]["_correct"].tolist() == [True, False, False]
+    assert infos["step"].tolist() == [0, 1, 1]  # env 0: its new episode's reset info
+    assert obs[1].endswith(format_turn(JUDGE_ROLE, FEEDBACK))
 
-    # env 1 and 2 wrong again: out of attempts (terminated) and reset.
-    obs, rewards, dones, infos = vec.step([["r", ""], ["r", ""], ["r", ""]])
-    assert dones.tolist() == [False, True, True]
-    assert vec.terminated.tolist() == [False, True, True] and not vec.truncated.any()
+    # env 1 and 2 wrong again: out of attempts (terminated, the attempts are the task) and reset.
+    obs, rewards, terminated, truncated, infos = vec.step([["r", ""], ["r", ""], ["r", ""]])
+    assert terminated.tolist() == [False, True, True] and not truncated.any()
     assert all(obs[k].count("\n") == 1 for k in (1, 2))  # fresh episodes
-    assert infos[2]["final_observation"].count(f"{JUDGE_ROLE}:") == 1
+    assert infos["final_obs"][2].count(f"{JUDGE_ROLE}:") == 1
     with pytest.raises(ValueError, match="actions for 3 envs"):
         vec.step([["a", "b"]])
+
+
+def test_vector_env_keeps_truncation_apart_and_works_with_gymnasium_wrappers():
+    """A ``TimeLimit``-wrapped env truncates (not terminates); the vector env passes ``truncated`` on, puts the
+    final observation and its private observations in ``final_info``, and reads roles through the wrapper."""
+    from gymnasium.wrappers import TimeLimit
+
+    vec = TextVectorEnv([lambda: TimeLimit(RelaySumEnv(horizon=5), max_episode_steps=2)] * 2)
+    obs, infos = vec.reset(seed=0)
+    keys = [texts[0] for texts in infos["private_observations"]]
+    assert all(key.startswith("x = ") for key in keys) and vec.private_observations == list(infos["private_observations"])
+    for step in (1, 2):
+        obs, rewards, terminated, truncated, infos = vec.step([["no idea", "\\boxed{-1}"]] * 2)
+    assert truncated.tolist() == [True, True] and not terminated.any()
+    assert [texts[0] for texts in infos["final_info"]["private_observations"]] == keys  # the finished episodes' keys
+    assert all(final.count("Judge:") == 2 for final in infos["final_obs"])  # 2 wrong attempts of 5: feedback after each
 
 
 # ---------------------------------------------------------------- datasets

@@ -64,24 +64,24 @@ def test_one_nonfinite_minibatch_is_skipped_counted_and_logged(random_model_dir,
         return False
 
     if where == "logits":
-        original = AgentTeam.masked_logits
+        original = AgentTeam.scoring_logits
 
-        def masked_logits(self, logits):
+        def scoring_logits(self, logits):
             out = original(self, logits)
             if torch.is_grad_enabled() and trainer_ref and once(trainer_ref[0]):
                 out = out.clone()
                 out[..., 0] = float("inf")
             return out
 
-        monkeypatch.setattr(AgentTeam, "masked_logits", masked_logits)
+        monkeypatch.setattr(AgentTeam, "scoring_logits", scoring_logits)
     elif where == "logprobs":
         original = AgentTeam.response_logprobs
 
         def response_logprobs(self, *args, **kwargs):
-            logp, entropy = original(self, *args, **kwargs)
+            scores = original(self, *args, **kwargs)
             if torch.is_grad_enabled() and trainer_ref and once(trainer_ref[0]):
-                logp = logp * float("nan")
-            return logp, entropy
+                scores.logprobs = scores.logprobs * float("nan")
+            return scores
 
         monkeypatch.setattr(AgentTeam, "response_logprobs", response_logprobs)
     elif where == "advantages":
@@ -212,9 +212,9 @@ def test_a_grader_that_fails_on_one_episode_gives_it_reward_zero(caplog):
     envs.reset(seed=0)
     answers = [env.episode.answer for env in envs.envs]
     with caplog.at_level(logging.WARNING):
-        _, rewards, dones, infos = envs.step([["", "\\boxed{hang}"], ["", f"\\boxed{{{answers[1]}}}"]])
-    assert rewards.tolist() == [[0.0, 0.0], [1.0, 1.0]] and dones.tolist() == [True, True]
-    assert "TimeoutError" in infos[0]["final_info"]["grading_error"] and "grading failed" in caplog.text
+        _, rewards, terminated, truncated, infos = envs.step([["", "\\boxed{hang}"], ["", f"\\boxed{{{answers[1]}}}"]])
+    assert rewards.tolist() == [[0.0, 0.0], [1.0, 1.0]] and terminated.tolist() == [True, True] and not truncated.any()
+    assert "TimeoutError" in infos["final_info"]["grading_error"][0] and "grading failed" in caplog.text
     assert envs.failures() == 1
 
 

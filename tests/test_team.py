@@ -7,7 +7,7 @@ import torch
 
 from marft.agents.loading import load_base_model
 from marft.agents.team import AgentTeam, reply_mask
-from marft.algorithms import TRAINERS
+from marft.algorithms import TRAINERS, trainer_class
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.tppo_trainer import TPPOTrainer
 from marft.config import AlgoConfig, ModelConfig
@@ -32,7 +32,8 @@ def make_team(model_dir, **overrides):
 
 
 def reference_logprobs(team, adapter, prompt_ids, prompt_mask, response_ids, response_mask):
-    """One unpadded sequence at a time, full-vocabulary log-softmax at every reply position."""
+    """One unpadded sequence at a time, full-vocabulary log-softmax of the tempered logits at every reply
+    position (top-k narrows sampling only; the policy's log-probs are of the untruncated distribution)."""
     team.model.set_adapter(adapter)
     rows = []
     for p, pm, r, rm in zip(prompt_ids, prompt_mask, response_ids, response_mask):
@@ -40,9 +41,6 @@ def reference_logprobs(team, adapter, prompt_ids, prompt_mask, response_ids, res
         reply = r[: int(rm.sum())]
         ids = torch.cat([prompt, reply]).unsqueeze(0)
         logits = team.model(input_ids=ids).logits[0].float() / team.config.temperature
-        if team.config.top_k > 0:
-            kth = torch.topk(logits, team.config.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, -1e9)
         logp = torch.log_softmax(logits, -1)
         row = torch.zeros(response_ids.shape[1])
         for t in range(len(reply)):
@@ -102,7 +100,8 @@ def test_empty_reply_is_scored(random_model_dir):
     response_ids[0, 0] = team.eos_id
     response_mask = reply_mask(response_ids, team.eos_id, 6)
     with torch.no_grad():
-        logp, entropy = team.response_logprobs("reasoner", prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True)
+        scores = team.response_logprobs("reasoner", prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True)
+        logp = scores.logprobs
     assert torch.isfinite(logp).all() and logp[0, 0] < 0 and (logp[0, 1:] == 0).all()
     assert team.decode(response_ids, response_mask) == [""]
 
@@ -126,7 +125,7 @@ def fill_buffer(team, n_envs=4, steps=2, trainer=None):
     for t in range(steps):
         for agent, out in enumerate(team.play_step(histories, token_values=token_level)):
             buffer.insert_turn(t, agent, out)
-        buffer.insert_step(t, torch.randint(0, 2, (n_envs, team.n_agents)).float(), torch.tensor([t == steps - 1] * n_envs))
+        buffer.insert_step(t, torch.randint(0, 2, (n_envs, team.n_agents)).float(), torch.tensor([t == steps - 1] * n_envs), torch.zeros(n_envs, dtype=torch.bool))
     if trainer is None:
         buffer.compute_advantages(0.99, 0.95)
     else:
@@ -160,8 +159,9 @@ def changed_groups(team, before):
 def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora, algorithm):
     torch.manual_seed(0)
     team = make_team(random_model_dir, shared_lora=shared_lora)
-    trainer = TRAINERS[algorithm](team, AlgoConfig(algorithm_name=algorithm, agent_iteration_interval=2, ppo_epoch=1, lr=1e-2))
-    for iteration, expected_agent in [(0, 0), (1, 0), (2, 1), (3, 1), (4, 0)]:
+    # 4 env steps per iteration, switch every 8 env steps: the original MARFT's rule, agent (env steps // 8) % 2
+    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, agent_iteration_interval=8, ppo_epoch=1, lr=1e-2), steps_per_iteration=4)
+    for iteration, expected_agent in [(0, 0), (1, 1), (2, 1), (3, 0), (4, 0)]:
         assert trainer.agents_to_train(iteration) == [expected_agent]
         buffer = fill_buffer(team, trainer=trainer)
         before = snapshot(team)
@@ -173,7 +173,7 @@ def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora, 
 def test_all_agents_train_when_interval_is_zero_and_none_during_warmup(random_model_dir):
     torch.manual_seed(0)
     team = make_team(random_model_dir)
-    trainer = APPOTrainer(team, AlgoConfig(agent_iteration_interval=0, warmup_steps=1, ppo_epoch=1, lr=1e-2))
+    trainer = APPOTrainer(team, AlgoConfig(agent_iteration_interval=0, warmup_steps=8, ppo_epoch=1, lr=1e-2), steps_per_iteration=4)
     buffer = fill_buffer(team)
     before = snapshot(team)
     trainer.update(buffer, 0)
@@ -187,15 +187,15 @@ def test_policy_gradient_raises_the_logprob_of_advantaged_replies(random_model_d
     """One update must make replies with positive advantage more likely (sign check)."""
     torch.manual_seed(0)
     team = make_team(random_model_dir)
-    trainer = APPOTrainer(team, AlgoConfig(ppo_epoch=4, lr=1e-2, normalize_advantages=False))
+    trainer = APPOTrainer(team, AlgoConfig(ppo_epoch=4, lr=1e-2, normalize_advantages=False), steps_per_iteration=6)
     buffer = fill_buffer(team, n_envs=6, steps=1)
     buffer.advantages[:] = 0
     buffer.advantages[0, :3] = 1.0
     buffer.advantages[0, 3:] = -1.0
-    trainer.update_policy(0, buffer.agent_samples(0))
+    trainer.update_policy("reasoner", buffer.agent_samples(0))
     s = buffer.agent_samples(0)
     with torch.no_grad():
-        new, _ = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"])
+        new = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"]).logprobs
     delta = new.sum(-1) - s["logprobs"].sum(-1)
     assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
 
@@ -318,15 +318,15 @@ def test_tppo_raises_the_logprob_of_advantaged_tokens(random_model_dir):
     """Token-level sign check: tokens with positive advantage become more likely, negative less."""
     torch.manual_seed(0)
     team = make_team(random_model_dir)
-    trainer = TPPOTrainer(team, AlgoConfig(algorithm_name="TPPO", ppo_epoch=4, lr=1e-2, normalize_advantages=False))
+    trainer = TPPOTrainer(team, AlgoConfig(algorithm_name="TPPO", ppo_epoch=4, lr=1e-2, normalize_advantages=False), steps_per_iteration=6)
     buffer = fill_buffer(team, n_envs=6, steps=1, trainer=trainer)
     buffer.token_advantages[:] = 0
     buffer.token_advantages[0, :3, 0] = buffer.response_mask[0, :3, 0].float()
     buffer.token_advantages[0, 3:, 0] = -buffer.response_mask[0, 3:, 0].float()
-    trainer.update_policy(0, buffer.agent_samples(0, token_level=True))
+    trainer.update_policy("reasoner", buffer.agent_samples(0, token_level=True))
     s = buffer.agent_samples(0, token_level=True)
     with torch.no_grad():
-        new, _ = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"])
+        new = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"]).logprobs
     delta = new.sum(-1) - s["logprobs"].sum(-1)
     assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
 

@@ -7,11 +7,11 @@ import os
 
 import torch
 
+from marft.agents.dtypes import DTYPES
 from marft.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -48,6 +48,19 @@ def adapter_name_for(role: str) -> str:
     return name or "agent"
 
 
+def adapter_of(parameter_name: str) -> str | None:
+    """The adapter a peft parameter belongs to: the name segment right after its ``lora_*`` segment
+    (``...q_proj.lora_A.<adapter>.weight``, ``...lora_embedding_A.<adapter>``), or None for a base weight.
+
+    Exact segments, not substrings: an adapter named ``model``, ``mlp``, ``layers`` or ``1`` must not
+    select every parameter whose path contains that word."""
+    parts = parameter_name.split(".")
+    for part, following in zip(parts, parts[1:]):
+        if part.startswith("lora_"):
+            return following
+    return None
+
+
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Pad-aware positions: the first real token of each row gets position 0. (B, S) → (B, S)."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -63,27 +76,36 @@ def reply_mask(response_ids: torch.Tensor, eos_id: int, generated: int) -> torch
 
 
 class SampledLogprobs(LogitsProcessor):
-    """Records, step by step inside ``generate``, the log-prob of each sampled token under the sampling
-    distribution (``masked_logits`` of the very logits that were sampled from), keeping one ``(B, V)`` row.
+    """Records, step by step inside ``generate``, the log-prob of each sampled token under the policy's
+    scoring distribution (``scoring_logits`` of the very logits that were sampled from), keeping one ``(B, V)`` row.
 
     It sits before generate's temperature/top-k warpers, so it sees the raw logits, and returns them unchanged.
     """
 
-    def __init__(self, masked_logits):
-        self.masked_logits = masked_logits
+    def __init__(self, scoring_logits):
+        self.scoring_logits = scoring_logits
         self.previous: torch.Tensor | None = None  # (B, V) log-probs of the step being sampled
         self.steps: list[torch.Tensor] = []  # per sampled token: (B,)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.previous is not None:  # input_ids now ends with the token sampled from ``previous``
             self.steps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.previous = torch.log_softmax(self.masked_logits(scores), dim=-1)
+        self.previous = torch.log_softmax(self.scoring_logits(scores), dim=-1)
         return scores
 
     def logprobs(self, response: torch.Tensor) -> torch.Tensor:
         """Log-probs of the generated ``response (B, L')`` → ``(B, L')``."""
         steps = self.steps + ([self.previous.gather(-1, response[:, -1:]).squeeze(-1)] if len(self.steps) < response.shape[1] else [])
         return torch.stack(steps, dim=1)
+
+
+@dataclass
+class ReplyScores:
+    """The current policy's view of given replies (:meth:`AgentTeam.response_logprobs`)."""
+
+    logprobs: torch.Tensor  # (B, L) log-probs of the reply tokens under the scoring distribution, 0 at padding
+    entropy: torch.Tensor | None  # (B, L) entropy of that distribution per position (None unless asked), 0 at padding
+    out_of_topk: int = 0  # reply tokens outside the current policy's top-k (0 when top-k is off)
 
 
 @dataclass
@@ -139,6 +161,8 @@ class AgentTeam(nn.Module):
         for name in self.policy_adapters[1:] + [CRITIC_ADAPTER]:
             self.model.add_adapter(name, lora)
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._lora_dropouts = [m for layer in self._lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
+        self.model.eval()  # new LoRA modules start in train mode: dropout stays off outside lora_dropout_active()
         hidden = base_model.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
         nn.init.normal_(self.value_head.weight, std=1.0 / hidden)
@@ -153,6 +177,10 @@ class AgentTeam(nn.Module):
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
         )
+        # generate() fills every field left unset from the model's own generation_config.json (min_p, typical_p,
+        # repetition_penalty, no_repeat_ngram_size, suppress_tokens, stop strings ... in real checkpoints); the
+        # recorded log-probs would then no longer describe what was sampled. An empty one leaves only ours.
+        base_model.generation_config = GenerationConfig()
         self.header_ids = [self._encode(self._header(i)) for i in range(len(self.profile))]
         self.max_prompt_len = config.context_window - config.max_new_tokens
         for spec, ids in zip(self.profile, self.header_ids):
@@ -177,9 +205,9 @@ class AgentTeam(nn.Module):
         return len(self.profile)
 
     def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
-        """The LoRA parameters of one adapter, selected by name (not by ``requires_grad``)."""
-        key = f".{adapter}."
-        return [p for n, p in self.model.named_parameters() if key in n and "lora_" in n]
+        """The LoRA parameters of one adapter, selected by the exact adapter segment of their names
+        (:func:`adapter_of`; not by ``requires_grad``, not by substring)."""
+        return [p for n, p in self.model.named_parameters() if adapter_of(n) == adapter]
 
     def critic_parameters(self) -> list[nn.Parameter]:
         return self.adapter_parameters(CRITIC_ADAPTER) + list(self.value_head.parameters())
@@ -194,7 +222,7 @@ class AgentTeam(nn.Module):
         if adapter is not None:
             self.route(adapter)
         for name, p in self.model.named_parameters():
-            p.requires_grad_(trainable and adapter is not None and f".{adapter}." in name and "lora_" in name)
+            p.requires_grad_(trainable and adapter is not None and adapter_of(name) == adapter)
         self.value_head.requires_grad_(trainable and adapter == CRITIC_ADAPTER)
 
     def route(self, adapter: str) -> None:
@@ -255,14 +283,27 @@ class AgentTeam(nn.Module):
             mask[b, width - len(row) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
+    @contextmanager
+    def lora_dropout_active(self):
+        """Inside (the update), LoRA dropout (``--lora_dropout``) is active; everywhere else the model is in
+        eval mode, so rollouts, critic values and scoring are deterministic functions of the weights."""
+        for module in self._lora_dropouts:
+            module.train()
+        try:
+            yield
+        finally:
+            for module in self._lora_dropouts:
+                module.eval()
+
     # ------------------------------------------------------------------ model calls
-    def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The sampling distribution's logits: divided by the temperature, top-k applied. (..., V) → (..., V)."""
-        logits = logits.float() / self.config.temperature
-        if self.config.top_k > 0:
-            kth = torch.topk(logits, self.config.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, -1e9)
-        return logits
+    def scoring_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits whose log-softmax is the policy's log-prob (old and new alike): divided by the
+        temperature, NOT truncated to the top k. (..., V) → (..., V) float32.
+
+        Top-k only narrows sampling (as in TRL). Scoring on the truncated distribution would give a sampled
+        token that leaves the current top k a log-prob of -inf: a ratio of 0 for its whole reply and an
+        approximate KL of ~1e8."""
+        return logits.float() / self.config.temperature
 
     def response_logprobs(
         self,
@@ -272,12 +313,13 @@ class AgentTeam(nn.Module):
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
         with_entropy: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> ReplyScores:
         """Log-probs (and entropies) of the given reply tokens under ``adapter``'s policy.
 
         Args: prompt (B, P) left-padded, response (B, L) right-padded.
-        Returns: ``logprobs (B, L)`` and ``entropy (B, L)`` (or None), zero where the reply is padding.
-        Only the L + 1 last positions' logits are materialised.
+        Returns :class:`ReplyScores`: ``logprobs (B, L)`` and ``entropy (B, L)`` (or None) of the scoring
+        distribution (:meth:`scoring_logits`), zero where the reply is padding, and with ``--top_k`` the
+        count of reply tokens outside the top k. Only the L + 1 last positions' logits are materialised.
         """
         self.route(adapter)
         L = response_ids.shape[1]
@@ -290,13 +332,19 @@ class AgentTeam(nn.Module):
             logits_to_keep=L + 1,
             use_cache=False,
         )
-        logits = self.masked_logits(out.logits[:, :-1])  # (B, L, V): position P-1+t predicts response token t
+        logits = self.scoring_logits(out.logits[:, :-1])  # (B, L, V): position P-1+t predicts response token t
         logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
-        logprobs = logp_all.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) * response_mask  # (B, L)
+        taken = logp_all.gather(-1, response_ids.unsqueeze(-1))  # (B, L, 1)
+        logprobs = taken.squeeze(-1) * response_mask  # (B, L)
         entropy = None
         if with_entropy:
             entropy = -(logp_all.exp() * logp_all).sum(-1) * response_mask  # (B, L)
-        return logprobs, entropy
+        out_of_topk = 0
+        if self.config.top_k > 0:
+            with torch.no_grad():
+                kth = torch.topk(logp_all, min(self.config.top_k, logp_all.shape[-1]), dim=-1).values[..., -1:]  # (B, L, 1)
+                out_of_topk = int(((taken < kth).squeeze(-1) & response_mask.bool()).sum())
+        return ReplyScores(logprobs, entropy, out_of_topk)
 
     # ------------------------------------------------------------------ shared role headers
     @contextmanager
@@ -449,7 +497,7 @@ class AgentTeam(nn.Module):
         ``agent``: the prompts are that agent's, so its role header is run once for the batch (:meth:`behind_shared_headers`)."""
         self.route(adapter)
         B = prompt_ids.shape[0]
-        scorer = SampledLogprobs(self.masked_logits) if self.logprobs_from_generate else None
+        scorer = SampledLogprobs(self.scoring_logits) if self.logprobs_from_generate else None
         cache, ids, mask = None, prompt_ids, prompt_mask
         if agent is not None:
             cache, ids, mask = self.behind_shared_headers([(agent, prompt_ids, prompt_mask)])
@@ -481,7 +529,7 @@ class AgentTeam(nn.Module):
         adapter = self.agent_adapters[agent]
         response_ids, response_mask, logprobs = self.generate(adapter, prompt_ids, prompt_mask, agent)
         if logprobs is None:
-            logprobs, _ = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask)
+            logprobs = self.response_logprobs(adapter, prompt_ids, prompt_mask, response_ids, response_mask).logprobs
         return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.decode(response_ids, response_mask))
 
     @torch.no_grad()

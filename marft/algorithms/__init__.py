@@ -1,11 +1,30 @@
-"""Trainers, chosen by ``--algorithm_name``."""
+"""Trainers, chosen by ``--algorithm_name``.
 
-from marft.algorithms.appo_trainer import APPOTrainer
-from marft.algorithms.tppo_trainer import TPPOTrainer
+:data:`TRAINERS` is the one table of algorithm names: ``--help``, the config's validation, the
+benchmark and :func:`make_trainer` all read it. Entries name their class as ``"module:Class"`` and
+are imported on first use, so reading the names imports no model code.
+"""
 
-TRAINERS = {"APPO": APPOTrainer, "TPPO": TPPOTrainer}
+from __future__ import annotations
+
+import importlib
+
+TRAINERS: dict[str, str] = {
+    "APPO": "marft.algorithms.appo_trainer:APPOTrainer",
+    "TPPO": "marft.algorithms.tppo_trainer:TPPOTrainer",
+}
+"""``--algorithm_name`` → trainer class. APPO: action-level MAPPO (MARFT-A); TPPO: token-level (MARFT-T)."""
 
 
-def make_trainer(team, config):
-    """The trainer registered under ``config.algorithm_name``."""
-    return TRAINERS[config.algorithm_name](team, config)
+def trainer_class(name: str):
+    """The trainer class registered as ``name``."""
+    if name not in TRAINERS:
+        raise ValueError(f"unknown algorithm {name!r}; registered: {', '.join(TRAINERS)}")
+    module, attr = TRAINERS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_trainer(team, config, steps_per_iteration: int):
+    """The trainer registered under ``config.algorithm_name``; ``steps_per_iteration`` (env steps collected per
+    iteration) converts the agent schedule, counted in env steps, into iterations."""
+    return trainer_class(config.algorithm_name)(team, config, steps_per_iteration=steps_per_iteration)

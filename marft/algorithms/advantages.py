@@ -3,7 +3,10 @@
 In MARFT the agents of a step act one after another, so a rollout of T steps
 with N agents is one chain of T·N decisions per environment: agent i bootstraps
 from agent i+1 of the same step, the last agent from agent 0 of the next step,
-and an episode end cuts the chain after the last agent.
+and an episode end cuts the chain after the last agent. Episode ends follow
+gymnasium: a *terminated* episode has no future (its last agent bootstraps from
+nothing); a *truncated* one was cut short from outside (a time limit), so its
+last agent bootstraps from the value of the final observation, ``final_values``.
 """
 
 from __future__ import annotations
@@ -25,33 +28,55 @@ def reverse_discounted_sum(x: torch.Tensor, discount: torch.Tensor) -> torch.Ten
     return out
 
 
+def episode_end_values(next_values: torch.Tensor, terminated: torch.Tensor, truncated=None, final_values=None) -> torch.Tensor:
+    """What a step's last turn bootstraps from, ``(T, E)`` like every input: the next step's first value
+    while the episode goes on, the final observation's value when it was truncated, nothing (0) when it
+    terminated (terminated wins over truncated, as in gymnasium)."""
+    out = next_values
+    if truncated is not None:
+        out = torch.where(truncated.bool(), final_values.to(out.dtype), out)
+    return torch.where(terminated.bool(), torch.zeros_like(out), out)
+
+
+def _ended(terminated: torch.Tensor, truncated) -> torch.Tensor:
+    """``(T, E)`` bool: the episode ended after step t, either way."""
+    return terminated.bool() if truncated is None else terminated.bool() | truncated.bool()
+
+
 def agent_chain_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
-    dones: torch.Tensor,
+    terminated: torch.Tensor,
     gamma: float,
     gae_lambda: float,
+    truncated: torch.Tensor | None = None,
+    final_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns of every agent turn.
 
     Args:
         rewards: ``(T, E, N)`` reward of agent n at step t in env e.
         values: ``(T + 1, E, N)`` critic values; ``values[T, :, 0]`` bootstraps the last step.
-        dones: ``(T, E)`` the episode ended after step t (its last agent has no successor).
+        terminated: ``(T, E)`` the episode ended after step t for good (its last agent has no successor).
         gamma, gae_lambda: discount and GAE lambda per link of the chain.
+        truncated: ``(T, E)`` the episode was cut after step t (None: never).
+        final_values: ``(T, E)`` value of a truncated episode's final observation (its last agent's successor).
 
     Returns:
         ``advantages (T, E, N)`` and ``returns (T, E, N)`` (= advantages + values).
     """
     T, E, N = rewards.shape
+    dtype = values.dtype
     chain_values = values[:T].permute(0, 2, 1).reshape(T * N, E)  # (T·N, E), link k = (t, n) with k = t·N + n
-    next_values = torch.cat([chain_values[1:], values[T, :, 0].unsqueeze(0)], dim=0)  # (T·N, E)
-    not_done = torch.ones(T, N, E, dtype=values.dtype, device=values.device)
-    not_done[:, N - 1] = 1.0 - dones.to(values.dtype)  # only the last agent's link crosses a step boundary
-    not_done = not_done.reshape(T * N, E)
+    next_values = torch.cat([chain_values[1:], values[T, :, 0].unsqueeze(0)], dim=0).reshape(T, N, E)  # (T, N, E)
+    next_values = torch.cat(  # only the last agent's link crosses a step boundary
+        [next_values[:, : N - 1], episode_end_values(next_values[:, N - 1], terminated, truncated, final_values).unsqueeze(1)], dim=1
+    ).reshape(T * N, E)
+    not_done = torch.ones(T, N, E, dtype=dtype, device=values.device)
+    not_done[:, N - 1] = 1.0 - _ended(terminated, truncated).to(dtype)  # any episode end cuts the GAE sum
     chain_rewards = rewards.permute(0, 2, 1).reshape(T * N, E)
-    deltas = chain_rewards + gamma * not_done * next_values - chain_values  # (T·N, E)
-    chain_adv = reverse_discounted_sum(deltas, gamma * gae_lambda * not_done)  # (T·N, E)
+    deltas = chain_rewards + gamma * next_values - chain_values  # (T·N, E)
+    chain_adv = reverse_discounted_sum(deltas, gamma * gae_lambda * not_done.reshape(T * N, E))  # (T·N, E)
     advantages = chain_adv.reshape(T, N, E).permute(0, 2, 1)  # (T, E, N)
     return advantages, advantages + values[:T]
 
@@ -68,11 +93,13 @@ def token_chain_gae(
     token_values: torch.Tensor,
     response_mask: torch.Tensor,
     bootstrap_value: torch.Tensor,
-    dones: torch.Tensor,
+    terminated: torch.Tensor,
     gamma: float,
     gae_lambda: float,
     token_gamma: float = 1.0,
     token_gae_lambda: float = 1.0,
+    truncated: torch.Tensor | None = None,
+    final_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level advantages along the agent chain (MARFT-T).
 
@@ -80,7 +107,8 @@ def token_chain_gae(
     ``token_gamma`` / ``token_gae_lambda``. A reply's last real token receives the agent's
     reward and bootstraps from the first token of the next non-empty reply (the last agent
     from the first agent of the next step), discounted by ``gamma`` / ``gae_lambda``; an
-    episode end cuts the chain. An empty reply takes no action: its reward goes to the last
+    episode end cuts the chain (a truncated episode's last reply bootstraps from ``final_values``,
+    as in :func:`agent_chain_gae`). An empty reply takes no action: its reward goes to the last
     token of the previous reply of the same episode (dropped if there is none).
 
     Args:
@@ -88,7 +116,9 @@ def token_chain_gae(
         token_values: ``(T, E, N, L)`` critic value before each reply token.
         response_mask: ``(T, E, N, L)`` 1 for real reply tokens (a prefix of each row).
         bootstrap_value: ``(E,)`` value of the first token after the rollout.
-        dones: ``(T, E)`` the episode ended after step t.
+        terminated: ``(T, E)`` the episode ended after step t for good.
+        truncated: ``(T, E)`` the episode was cut after step t (None: never).
+        final_values: ``(T, E)`` value of a truncated episode's final observation.
 
     Returns:
         ``advantages (T, E, N, L)`` and ``returns (T, E, N, L)``, zero at padding.
@@ -107,9 +137,12 @@ def token_chain_gae(
     next_value = bootstrap_value.to(dtype).clone()  # (E,) value of the next real token after the current reply
     next_adv = torch.zeros(E, dtype=dtype, device=device)  # (E,) its advantage
     pending = torch.zeros(E, dtype=dtype, device=device)  # (E,) rewards of later empty replies
+    ended = _ended(terminated, truncated)  # (T, E)
     for t in range(T - 1, -1, -1):
-        alive = 1.0 - dones[t].to(dtype)  # (E,)
-        next_value, next_adv, pending = next_value * alive, next_adv * alive, pending * alive
+        alive = 1.0 - ended[t].to(dtype)  # (E,)
+        next_value = episode_end_values(next_value.unsqueeze(0), terminated[t : t + 1], None if truncated is None else truncated[t : t + 1],
+                                        None if final_values is None else final_values[t : t + 1]).squeeze(0)
+        next_adv, pending = next_adv * alive, pending * alive
         for n in range(N - 1, -1, -1):
             v, m, length = token_values[t, :, n], mask[t, :, n], lengths[t, :, n]  # (E, L), (E, L), (E,)
             last = (pos.unsqueeze(0) == (length - 1).unsqueeze(1)).to(dtype)  # (E, L) one-hot of the last real token

@@ -1,13 +1,15 @@
 """MARFT-A: action-level multi-agent PPO with a centralized critic.
 
 An agent's whole reply is one action; its log-prob is the (normalised) sum of
-its token log-probs. Each agent's optimizer holds exactly its own adapter's
-parameters, and ``agent_iteration_interval`` trains one agent at a time.
+its token log-probs. Each adapter's optimizer holds exactly that adapter's
+parameters, and ``agent_iteration_interval`` trains one agent at a time. Agents
+that share an adapter (``--shared_lora``) are trained together: their turns go
+into ONE update of the shared adapter per iteration.
 
 The update loop (schedule, minibatches, gradient accumulation, clipping, skips)
 lives here once; the token-level trainer (``tppo_trainer.py``) overrides only the
-algorithm hooks: ``compute_advantages``, ``normalized_advantages``, ``policy_loss``
-and ``value_loss``.
+algorithm hooks: ``compute_advantages``, ``normalized_advantages``, ``policy_loss``,
+``value_loss`` and ``loss_units``.
 """
 
 from __future__ import annotations
@@ -30,15 +32,17 @@ logger = logging.getLogger(__name__)
 class APPOTrainer:
     """Owns the optimizers and runs one PPO update per rollout batch."""
 
-    def __init__(self, team: AgentTeam, config: AlgoConfig):
+    def __init__(self, team: AgentTeam, config: AlgoConfig, steps_per_iteration: int):
         self.team = team
         self.config = config
+        self.steps_per_iteration = steps_per_iteration
+        """Environment steps one iteration collects: the schedule (``warmup_steps``, ``agent_iteration_interval``) counts env steps."""
         self.policy_optimizers = {
             adapter: torch.optim.AdamW(team.adapter_parameters(adapter), lr=config.lr, weight_decay=0.0)
             for adapter in team.policy_adapters
         }
         self.critic_optimizer = torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0)
-        self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0}
+        self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0}
         self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, "critic"]}
         """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
         self.iteration = 0
@@ -46,14 +50,24 @@ class APPOTrainer:
 
     # ------------------------------------------------------------------ schedule
     def agents_to_train(self, iteration: int) -> list[int]:
-        """Agents whose policy is updated at ``iteration`` (0-based): none during critic warm-up,
-        then all agents, or one agent for ``agent_iteration_interval`` iterations each, round-robin."""
-        if iteration < self.config.warmup_steps:
+        """Agents whose policy is updated at ``iteration`` (0-based), as the original MARFT decides it from
+        the env steps collected once this iteration's rollout is in: none before ``warmup_steps``, then all
+        agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone."""
+        env_steps = (iteration + 1) * self.steps_per_iteration
+        if env_steps < self.config.warmup_steps:
             return []
         interval = self.config.agent_iteration_interval
         if interval == 0:
             return list(range(self.team.n_agents))
-        return [((iteration - self.config.warmup_steps) // interval) % self.team.n_agents]
+        return [(env_steps // interval) % self.team.n_agents]
+
+    def adapter_groups(self, agents: list[int]) -> dict[str, list[int]]:
+        """The scheduled ``agents`` grouped by the adapter they act with: one group per agent, or a single
+        group with ``--shared_lora``, so a shared adapter gets ONE update on all its agents' turns."""
+        groups: dict[str, list[int]] = {}
+        for agent in agents:
+            groups.setdefault(self.team.agent_adapters[agent], []).append(agent)
+        return groups
 
     # ------------------------------------------------------------------ algorithm hooks
     token_level = False
@@ -63,8 +77,14 @@ class APPOTrainer:
         """Action level: GAE along the agent chain, one advantage per reply."""
         buffer.compute_advantages(self.config.gamma, self.config.gae_lambda)
 
+    def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
+        """How many units the losses average over in rows ``indices``: replies at the action level. Gradient
+        accumulation weights each chunk by its share of the minibatch's units, so the gradient does not
+        depend on ``gradient_cp_steps``."""
+        return float(len(indices))
+
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Standardise one agent's advantages over its batch (when ``normalize_advantages``)."""
+        """Standardise one adapter's advantages over its batch (when ``normalize_advantages``)."""
         advantages = samples["advantages"]  # (B,)
         if self.config.normalize_advantages and advantages.numel() > 1:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
@@ -73,15 +93,22 @@ class APPOTrainer:
     def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Clipped surrogate on whole-reply log-probs. Returns ``(policy_loss, entropy, stats)``."""
         cfg = self.config
-        token_logp, token_entropy = self.team.response_logprobs(
-            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
-        )  # (B, L), (B, L)
+        token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
         mask = mb["response_mask"].float()
         new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)  # (B,)
         old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
         loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         return loss, entropy, stats
+
+    def score_replies(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current policy's token log-probs and entropies of the minibatch's replies, ``(B, L)`` each;
+        sampled tokens outside the current top-k are counted (``out_of_topk_tokens``)."""
+        scores = self.team.response_logprobs(
+            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
+        )
+        self.counters["out_of_topk_tokens"] += scores.out_of_topk
+        return scores.logprobs, scores.entropy
 
     def value_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """Clipped value loss of the prompt values."""
@@ -91,13 +118,17 @@ class APPOTrainer:
 
     # ------------------------------------------------------------------ update
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
-        """Critic update on every agent turn, then a policy update for each scheduled agent."""
+        """Critic update on every agent turn, then one policy update per adapter of the scheduled agents.
+
+        LoRA dropout (``--lora_dropout``) is active here only; rollouts and scoring run in eval mode."""
         self.iteration = iteration
-        metrics = self.update_critic(buffer.critic_samples(self.token_level))
-        for agent in self.agents_to_train(iteration):
-            role = self.team.profile[agent].role
-            for key, value in self.update_policy(agent, buffer.agent_samples(agent, self.token_level)).items():
-                metrics[f"agent_{role}/{key}"] = value
+        with self.team.lora_dropout_active():
+            metrics = self.update_critic(buffer.critic_samples(self.token_level))
+            for adapter, agents in self.adapter_groups(self.agents_to_train(iteration)).items():
+                samples = buffer.agent_samples(agents, self.token_level)
+                label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
+                for key, value in self.update_policy(adapter, samples).items():
+                    metrics[f"agent_{label}/{key}"] = value
         self.team.set_active(None)
         return metrics
 
@@ -136,10 +167,10 @@ class APPOTrainer:
         optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def update_policy(self, agent: int, samples: dict[str, torch.Tensor]) -> dict[str, float]:
-        """PPO epochs over one agent's turns. ``samples`` holds tensors with a leading dim of T·E."""
+    def update_policy(self, adapter: str, samples: dict[str, torch.Tensor]) -> dict[str, float]:
+        """PPO epochs of ``adapter`` over its agents' turns. ``samples`` holds tensors with a leading dim of
+        T·E per agent that acts with the adapter."""
         cfg, team = self.config, self.team
-        adapter = team.agent_adapters[agent]
         optimizer = self.policy_optimizers[adapter]
         params = team.adapter_parameters(adapter)
         team.set_active(adapter, trainable=True)
@@ -150,10 +181,11 @@ class APPOTrainer:
             epoch_kl = []
             for indices, chunks in self._minibatches(n, cfg.gradient_cp_steps):
                 loss_ok = True
+                units = max(self.loss_units(samples, indices), 1.0)
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
                     policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
-                    loss = (policy_loss - cfg.entropy_coef * entropy) * (len(chunk) / len(indices))
+                    loss = (policy_loss - cfg.entropy_coef * entropy) * (self.loss_units(samples, chunk) / units)
                     if not torch.isfinite(loss):
                         loss_ok = False
                         break
@@ -166,7 +198,7 @@ class APPOTrainer:
                 stats["grad_norm"].append(self._step(optimizer, params, loss_ok, adapter))
             if cfg.target_kl is not None and epoch_kl and sum(epoch_kl) / len(epoch_kl) > cfg.target_kl:
                 self.counters["kl_early_stops"] += 1
-                logger.info("agent %d: approx KL %.4f > target %.4f, remaining epochs skipped", agent, sum(epoch_kl) / len(epoch_kl), cfg.target_kl)
+                logger.info("adapter %s: approx KL %.4f > target %.4f, remaining epochs skipped", adapter, sum(epoch_kl) / len(epoch_kl), cfg.target_kl)
                 break
         return {key: _nanmean(values) for key, values in stats.items()}
 
@@ -184,10 +216,11 @@ class APPOTrainer:
         for _ in range(cfg.ppo_epoch):
             for indices, chunks in self._minibatches(n, cfg.gradient_cp_steps * team.n_agents):
                 loss_ok = True
+                units = max(self.loss_units(samples, indices), 1.0)
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
                     value_loss = self.value_loss(mb)
-                    loss = cfg.value_loss_coef * value_loss * (len(chunk) / len(indices))
+                    loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)
                     if not torch.isfinite(loss):
                         loss_ok = False
                         break

@@ -6,16 +6,21 @@ import torch
 import torch.nn.functional as F
 
 
+NORMALIZATION_MODES = {
+    "sum": lambda total, mask, n_words: total,
+    "token": lambda total, mask, n_words: total / mask.sum(-1).clamp(min=1),
+    "word": lambda total, mask, n_words: total / n_words.clamp(min=1),
+}
+"""``--normalization_mode`` → how a reply's log-prob is formed from its summed token log-probs: the plain
+``sum``, the mean per ``token``, or the sum per ``word`` of the decoded reply. The one table of modes
+(``--help``, validation and the benchmark read it)."""
+
+
 def normalize_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, n_words: torch.Tensor, mode: str) -> torch.Tensor:
-    """An action's log-prob from its tokens' ``(B, L)``: ``sum``, per-token ``token`` mean, or per-``word``. → (B,)."""
-    total = (token_logprobs * mask).sum(-1)
-    if mode == "sum":
-        return total
-    if mode == "token":
-        return total / mask.sum(-1).clamp(min=1)
-    if mode == "word":
-        return total / n_words.clamp(min=1)
-    raise ValueError(f"unknown normalization mode {mode!r}")
+    """An action's log-prob from its tokens' ``(B, L)`` by :data:`NORMALIZATION_MODES` ``[mode]``. → (B,)."""
+    if mode not in NORMALIZATION_MODES:
+        raise ValueError(f"unknown normalization mode {mode!r}; known: {', '.join(NORMALIZATION_MODES)}")
+    return NORMALIZATION_MODES[mode]((token_logprobs * mask).sum(-1), mask, n_words)
 
 
 def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None):

@@ -3,8 +3,9 @@
 Every reply token is an action. The critic values the state before each token
 (same critic adapter and value head as MARFT-A, read at every reply position),
 advantages come from :func:`token_chain_gae`, and the PPO and value losses are
-averaged over real tokens only. Everything else — schedule, optimizers,
-minibatches, skips — is inherited from :class:`APPOTrainer`.
+averaged over real tokens only (so gradient accumulation weights chunks by
+their token counts, :meth:`TPPOTrainer.loss_units`). Everything else —
+schedule, optimizers, minibatches, skips — is inherited from :class:`APPOTrainer`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ class TPPOTrainer(APPOTrainer):
         cfg = self.config
         buffer.compute_token_advantages(cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda)
 
+    def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
+        """The token-level losses average over real reply tokens: chunks are weighted by their token count."""
+        return float(samples["response_mask"][indices].sum())
+
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Standardise token advantages over the real tokens of one agent's batch."""
         advantages, mask = samples["token_advantages"], samples["response_mask"].bool()  # (B, L)
@@ -33,9 +38,7 @@ class TPPOTrainer(APPOTrainer):
 
     def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Per-token clipped surrogate and entropy, averaged over real tokens. ``mb`` tensors are (B, L)."""
-        token_logp, token_entropy = self.team.response_logprobs(
-            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
-        )  # (B, L), (B, L)
+        token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
         mask = mb["response_mask"].float()
         loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], mb["token_advantages"], self.config.clip_param, weights=mask)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)

@@ -18,6 +18,9 @@ Subclasses implement two hooks:
 
 ``transition(state, actions)`` is a pure function of an immutable ``EpisodeState`` and the
 replies; ``step`` only stores its result. ``state()`` is the global view for a centralized critic.
+
+What only one agent may see (``private_observations()``) travels in every ``info`` under
+``"private_observations"`` (one text per agent), so gymnasium wrappers and vector envs pass it on.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from gymnasium import spaces
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 
 logger = logging.getLogger(__name__)
+
+PRIVATE_KEY = "private_observations"
+"""The ``info`` key under which every reset and step returns what each agent alone sees (a tuple of texts)."""
 
 WIDE_CHARSET = "".join(chr(c) for c in range(0x10000) if not 0xD800 <= c < 0xE000)
 """Every character of the Unicode Basic Multilingual Plane except surrogates: ASCII with spaces,
@@ -86,9 +92,9 @@ class EpisodeState:
     step: int = 0
     """Team steps taken so far."""
     terminated: bool = False
-    """The last step solved the task."""
+    """The episode is over: the last step solved the task or used the last of ``horizon`` attempts."""
     truncated: bool = False
-    """The last step used up the horizon without solving the task."""
+    """The episode was cut short from outside the task (never set by the base class; see ``step``)."""
     outcome: StepOutcome | None = None
     """``evaluate``'s verdict on the last step (``None`` right after reset)."""
 
@@ -195,13 +201,14 @@ class MultiAgentTextEnv(gym.Env):
 
         Returns:
             obs (str): the history so far, i.e. the problem line.
-            info (dict): ``step`` (0), ``answer`` and the task's extra keys.
+            info (dict): ``step`` (0), ``answer``, the task's extra keys and ``private_observations``
+                (one text per agent, see :meth:`private_observations`).
         """
         super().reset(seed=seed)
         task = self.sample_task(options)
         self.episode = self.initial_state(task)
         extras = {k: v for k, v in task.items() if k != "problem"}
-        return self.episode.history, {"step": 0, **extras}
+        return self.episode.history, {"step": 0, **extras, PRIVATE_KEY: tuple(self.private_observations())}
 
     def step(self, actions: Sequence[str]) -> tuple[str, np.ndarray, bool, bool, dict]:
         """Take one team step: every agent's reply, in profile order.
@@ -210,8 +217,8 @@ class MultiAgentTextEnv(gym.Env):
             obs (str): the history including this step's turns (and judge feedback if not done).
             rewards (np.ndarray): float32, shape ``(n_agents,)``, one reward per agent.
             terminated (bool): the task was solved or the last of ``horizon`` attempts was used.
-            truncated (bool): always False here (no outside time limit).
-            info (dict): ``step`` (team steps taken) plus the outcome's info.
+            truncated (bool): always False here (a time limit from outside, e.g. gymnasium's ``TimeLimit``, sets it).
+            info (dict): ``step`` (team steps taken), the outcome's info and ``private_observations`` of the new state.
         """
         if self.episode is None or self.episode.done:
             raise RuntimeError("call reset() before step() (the episode is over or never started)")
@@ -221,7 +228,7 @@ class MultiAgentTextEnv(gym.Env):
             self.reward_failures += 1
             logger.warning("reward failed (reward 0, %d failures so far): %s", self.reward_failures, outcome.info["reward_error"])
         rewards = np.asarray(outcome.rewards, dtype=np.float32)  # (n_agents,)
-        info = {"step": self.episode.step, **outcome.info}
+        info = {"step": self.episode.step, **outcome.info, PRIVATE_KEY: tuple(self.private_observations())}
         return self.episode.history, rewards, self.episode.terminated, self.episode.truncated, info
 
     def state(self) -> str:

@@ -1,102 +1,131 @@
-"""``TextVectorEnv``: several text environments stepped together in one process.
+"""``TextVectorEnv``: several text environments stepped together in one process, as a gymnasium ``VectorEnv``.
 
-gymnasium's ``AsyncVectorEnv`` returns stale strings for ``Text`` observations in shared
-memory, and its default autoreset ignores the action after ``done``; generation dominates
-the cost anyway, so a plain list of envs is enough. A finished env is reset inside the
-same ``step`` call (same-step autoreset).
+It follows gymnasium's vector API with same-step autoreset (``AutoresetMode.SAME_STEP``):
+``step`` returns ``(obs, rewards, terminated, truncated, infos)``; an env that finishes is reset in
+the same call, its last observation and info go to ``infos["final_obs"]`` and ``infos["final_info"]``,
+and infos are gymnasium's dict of per-env arrays with ``_key`` masks. Rewards have one column per agent.
+
+gymnasium's own ``SyncVectorEnv`` cannot hold per-agent rewards (it stores one float per env), and
+``AsyncVectorEnv`` returns stale strings for ``Text`` observations in shared memory; generation
+dominates the cost anyway, so the envs are stepped one after another in this process.
+Each env may be wrapped (e.g. ``gymnasium.wrappers.TimeLimit``): what the team needs from an env
+(its roles, what each agent alone sees) comes through the wrapper's attributes and ``info``.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import gymnasium as gym
 import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space
 
-from marft.envs.base import MultiAgentTextEnv
+from marft.envs.base import PRIVATE_KEY, MultiAgentTextEnv
 
 
-class TextVectorEnv:
-    """``n_envs`` copies of a ``MultiAgentTextEnv`` with the same team.
+class TextVectorEnv(VectorEnv):
+    """``num_envs`` copies of a ``MultiAgentTextEnv`` (possibly wrapped) with the same team.
 
     Args:
         env_fns: one constructor per environment.
     """
 
-    def __init__(self, env_fns: Sequence[Callable[[], MultiAgentTextEnv]]):
+    metadata = {"autoreset_mode": AutoresetMode.SAME_STEP}
+
+    def __init__(self, env_fns: Sequence[Callable[[], gym.Env]]):
         if not env_fns:
             raise ValueError("TextVectorEnv needs at least one environment")
-        self.envs: list[MultiAgentTextEnv] = [fn() for fn in env_fns]
-        self.n_envs: int = len(self.envs)
-        self.n_agents: int = self.envs[0].n_agents
-        self.roles: tuple[str, ...] = self.envs[0].roles
+        self.envs: list[gym.Env] = [fn() for fn in env_fns]
+        self.num_envs: int = len(self.envs)
+        self.roles: tuple[str, ...] = self.envs[0].unwrapped.roles
+        self.n_agents: int = len(self.roles)
         for env in self.envs:
-            if env.roles != self.roles:
-                raise ValueError(f"all envs need the same roles; got {env.roles} and {self.roles}")
-        self.terminated = np.zeros(self.n_envs, dtype=bool)
-        """``(n_envs,)`` terminated flags of the last ``step``."""
-        self.truncated = np.zeros(self.n_envs, dtype=bool)
-        """``(n_envs,)`` truncated flags of the last ``step``."""
+            if env.unwrapped.roles != self.roles:
+                raise ValueError(f"all envs need the same roles; got {env.unwrapped.roles} and {self.roles}")
+        self.single_observation_space = self.envs[0].observation_space
+        self.single_action_space = self.envs[0].action_space
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.private_observations: list[tuple[str, ...]] = [("",) * self.n_agents] * self.num_envs
+        """``(num_envs, n_agents)`` what each agent alone sees in each env's current state (from the last infos)."""
 
-    def reset(self, seed: int | None = None) -> tuple[list[str], list[dict]]:
-        """Reset every env; env ``k`` gets ``seed + k`` (or ``None``).
+    @property
+    def n_envs(self) -> int:
+        """Alias of ``num_envs`` (the runner's name for it)."""
+        return self.num_envs
+
+    def reset(self, *, seed: int | list[int | None] | None = None, options: dict | None = None) -> tuple[tuple[str, ...], dict]:
+        """Reset every env; with an int ``seed``, env ``k`` gets ``seed + k``.
 
         Returns:
-            obs (list[str]): ``n_envs`` first observations.
-            infos (list[dict]): ``n_envs`` reset infos.
+            obs (tuple[str, ...]): ``num_envs`` first observations.
+            infos (dict): gymnasium's vector infos of the reset infos (``private_observations`` among them).
         """
-        results = [env.reset(seed=None if seed is None else seed + k) for k, env in enumerate(self.envs)]
-        return [obs for obs, _ in results], [info for _, info in results]
+        seeds = [None if seed is None else seed + k for k in range(self.num_envs)] if not isinstance(seed, list) else seed
+        observations, infos = [], {}
+        for k, (env, env_seed) in enumerate(zip(self.envs, seeds)):
+            obs, info = env.reset(seed=env_seed, options=options)
+            observations.append(obs)
+            infos = self._add_info(infos, info, k)
+        self._remember_private(infos)
+        return tuple(observations), infos
 
-    def step(self, actions: Sequence[Sequence[str]]) -> tuple[list[str], np.ndarray, np.ndarray, list[dict]]:
-        """Step every env with its team's replies; reset the ones that finish.
+    def step(self, actions: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
+        """Step every env with its team's replies; reset the ones that finish (same-step autoreset).
 
         Args:
-            actions: shape ``(n_envs, n_agents)``: ``actions[k][i]`` is agent ``i``'s reply in env ``k``.
+            actions: shape ``(num_envs, n_agents)``: ``actions[k][i]`` is agent ``i``'s reply in env ``k``.
 
         Returns:
-            obs (list[str]): ``n_envs`` observations; for a finished env, the first
-                observation of its new episode.
-            rewards (np.ndarray): float32 ``(n_envs, n_agents)``.
-            dones (np.ndarray): bool ``(n_envs,)``, terminated or truncated.
-            infos (list[dict]): per env the step info plus ``terminated`` and ``truncated``;
-                a finished env's info also has ``final_observation``, ``final_info`` (the
-                step's) and ``reset_info`` (the new episode's).
+            obs (tuple[str, ...]): ``num_envs`` observations; for a finished env, the first observation of its new episode.
+            rewards (np.ndarray): float32 ``(num_envs, n_agents)``.
+            terminated (np.ndarray): bool ``(num_envs,)``, the episode ended for good.
+            truncated (np.ndarray): bool ``(num_envs,)``, the episode was cut short (bootstrap from ``final_obs``).
+            infos (dict): gymnasium vector infos: each step info key as a per-env array with a ``_key`` mask;
+                for finished envs ``final_obs`` and ``final_info`` (the last step's info), and the new
+                episode's reset info in place of the step info.
         """
-        if len(actions) != self.n_envs:
-            raise ValueError(f"expected actions for {self.n_envs} envs, got {len(actions)}")
-        observations, infos = [], []
-        rewards = np.zeros((self.n_envs, self.n_agents), dtype=np.float32)  # (n_envs, n_agents)
+        if len(actions) != self.num_envs:
+            raise ValueError(f"expected actions for {self.num_envs} envs, got {len(actions)}")
+        observations, infos = [], {}
+        rewards = np.zeros((self.num_envs, self.n_agents), dtype=np.float32)  # (num_envs, n_agents)
+        terminated = np.zeros(self.num_envs, dtype=bool)
+        truncated = np.zeros(self.num_envs, dtype=bool)
         for k, (env, team_actions) in enumerate(zip(self.envs, actions)):
-            obs, reward, terminated, truncated, info = env.step(tuple(team_actions))
+            obs, reward, terminated[k], truncated[k], info = env.step(tuple(team_actions))
             rewards[k] = reward
-            self.terminated[k], self.truncated[k] = terminated, truncated
-            info = {**info, "terminated": terminated, "truncated": truncated}
-            if terminated or truncated:
-                final_obs, final_info = obs, dict(info)
-                obs, reset_info = env.reset()
-                info.update(final_observation=final_obs, final_info=final_info, reset_info=reset_info)
+            if terminated[k] or truncated[k]:
+                infos = self._add_info(infos, {"final_obs": obs, "final_info": info}, k)
+                obs, info = env.reset()
+            infos = self._add_info(infos, info, k)
             observations.append(obs)
-            infos.append(info)
-        dones = self.terminated | self.truncated  # (n_envs,)
-        return observations, rewards, dones, infos
+        self._remember_private(infos)
+        return tuple(observations), rewards, terminated, truncated, infos
+
+    def _remember_private(self, infos: dict) -> None:
+        for k, text in enumerate(infos.get(PRIVATE_KEY, [None] * self.num_envs)):
+            self.private_observations[k] = tuple(text) if text is not None else ("",) * self.n_agents
 
     def state_dict(self) -> list[dict]:
         """Per env, its :meth:`MultiAgentTextEnv.state_dict` (RNG, current episode, counters)."""
-        return [env.state_dict() for env in self.envs]
+        return [env.unwrapped.state_dict() for env in self.envs]
 
-    def load_state_dict(self, states: list[dict]) -> list[str]:
-        """Restore every env from :meth:`state_dict`; return the ``n_envs`` current observations."""
-        if len(states) != self.n_envs:
-            raise ValueError(f"saved states of {len(states)} envs, but there are {self.n_envs}")
-        for env, state in zip(self.envs, states):
-            env.load_state_dict(state)
-        return [env.episode.history for env in self.envs]
+    def load_state_dict(self, states: list[dict]) -> tuple[str, ...]:
+        """Restore every env from :meth:`state_dict`; return the ``num_envs`` current observations."""
+        if len(states) != self.num_envs:
+            raise ValueError(f"saved states of {len(states)} envs, but there are {self.num_envs}")
+        for k, (env, state) in enumerate(zip(self.envs, states)):
+            base: MultiAgentTextEnv = env.unwrapped
+            base.load_state_dict(state)
+            self.private_observations[k] = tuple(base.private_observations())
+        return tuple(env.unwrapped.episode.history for env in self.envs)
 
     def failures(self) -> int:
         """Steps, over all envs, whose reward could not be computed (graded 0)."""
-        return sum(int(getattr(env, name, 0)) for env in self.envs for name in env.failure_counters)
+        return sum(int(getattr(env.unwrapped, name, 0)) for env in self.envs for name in env.unwrapped.failure_counters)
 
-    def close(self) -> None:
-        """Close every env."""
+    def close_extras(self, **kwargs) -> None:
+        """Close every env (gymnasium's ``close`` calls this once)."""
         for env in self.envs:
             env.close()

@@ -4,7 +4,9 @@ Per team step each agent replies in profile order; the reply of the last agent w
 profile entry has ``with_answer: true`` is graded (its last ``\\boxed{}`` against the
 reference). Right: reward 1.0 for every agent, episode terminated. Wrong: reward 0.0;
 before the horizon the judge says the answer is incorrect and the team tries again
-(as in the MARFT paper), at the horizon the episode is truncated.
+(as in the MARFT paper); the horizon's last attempt also terminates the episode (the
+attempts are part of the task, so nothing is bootstrapped after it; ``truncated`` is
+left to outside time limits).
 """
 
 from __future__ import annotations

@@ -8,7 +8,11 @@ P = max prompt length, L = max_new_tokens):
 * ``logprobs``                     (T, E, N, L)  token log-probs at sampling time
 * ``values``                       (T + 1, E, N) critic values; ``values[T, :, 0]`` bootstraps
 * ``rewards``                      (T, E, N)
-* ``dones``                        (T, E)        the episode ended after step t
+* ``terminated``                   (T, E)        the episode ended after step t for good (no bootstrap)
+* ``truncated``                    (T, E)        the episode was cut after step t (gymnasium's time limit):
+                                                 it bootstraps from ``final_values``
+* ``final_values``                 (T, E)        critic value of a truncated episode's final observation
+                                                 (the first agent's turn that never came), 0 elsewhere
 * ``n_words``                      (T, E, N)     words in each decoded reply (for ``normalization_mode=word``)
 * ``advantages, returns``          (T, E, N)     action level, filled by :meth:`compute_advantages`
 * ``token_values``                 (T, E, N, L)  token-level critic values at sampling time (MARFT-T)
@@ -34,7 +38,9 @@ class RolloutBuffer:
         self.logprobs = torch.zeros((T, E, N, L))
         self.values = torch.zeros((T + 1, E, N))
         self.rewards = torch.zeros((T, E, N))
-        self.dones = torch.zeros((T, E), dtype=torch.bool)
+        self.terminated = torch.zeros((T, E), dtype=torch.bool)
+        self.truncated = torch.zeros((T, E), dtype=torch.bool)
+        self.final_values = torch.zeros((T, E))
         self.n_words = torch.zeros((T, E, N))
         self.advantages = torch.zeros((T, E, N))
         self.returns = torch.zeros((T, E, N))
@@ -56,29 +62,39 @@ class RolloutBuffer:
             self.token_values[step, :, agent] = turn.token_values.float().cpu()
         self.n_words[step, :, agent] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
 
-    def insert_step(self, step: int, rewards, dones) -> None:
-        """Rewards ``(E, N)`` and episode ends ``(E,)`` after all agents acted at ``step``."""
+    def insert_step(self, step: int, rewards, terminated, truncated) -> None:
+        """Rewards ``(E, N)`` and the episode ends ``terminated (E,)``, ``truncated (E,)`` after all agents acted at ``step``."""
         self.rewards[step] = torch.as_tensor(rewards, dtype=torch.float)
-        self.dones[step] = torch.as_tensor(dones, dtype=torch.bool)
+        self.terminated[step] = torch.as_tensor(terminated, dtype=torch.bool)
+        self.truncated[step] = torch.as_tensor(truncated, dtype=torch.bool)
+
+    @property
+    def dones(self) -> torch.Tensor:
+        """``(T, E)`` the episode ended after step t, terminated or truncated."""
+        return self.terminated | self.truncated
 
     def compute_advantages(self, gamma: float, gae_lambda: float) -> None:
-        self.advantages, self.returns = agent_chain_gae(self.rewards, self.values, self.dones, gamma, gae_lambda)
+        self.advantages, self.returns = agent_chain_gae(
+            self.rewards, self.values, self.terminated, gamma, gae_lambda, truncated=self.truncated, final_values=self.final_values
+        )
 
     def compute_token_advantages(self, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float) -> None:
         self.token_advantages, self.token_returns = token_chain_gae(
-            self.rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.dones,
-            gamma, gae_lambda, token_gamma, token_gae_lambda,
+            self.rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.terminated,
+            gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=self.truncated, final_values=self.final_values,
         )
 
     ACTION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
     TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
 
-    def agent_samples(self, agent: int, token_level: bool = False) -> dict[str, torch.Tensor]:
-        """One agent's turns flattened over (T, E): every tensor gets a leading dim of T·E."""
+    def agent_samples(self, agents: int | list[int], token_level: bool = False) -> dict[str, torch.Tensor]:
+        """The turns of one agent, or of several (agents sharing an adapter), flattened over (T, E):
+        every tensor gets a leading dim of T·E per agent."""
+        agents = [agents] if isinstance(agents, int) else list(agents)
         fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
-        samples = {name: getattr(self, name)[:, :, agent].flatten(0, 1) for name in fields}
+        samples = {name: torch.cat([getattr(self, name)[:, :, a].flatten(0, 1) for a in agents]) for name in fields}
         if not token_level:
-            samples["values"] = self.values[:-1, :, agent].flatten(0, 1)
+            samples["values"] = torch.cat([self.values[:-1, :, a].flatten(0, 1) for a in agents])
         return samples
 
     def critic_samples(self, token_level: bool = False) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
+from marft.envs.base import PRIVATE_KEY
 from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.runner.shared.checkpoint import (
@@ -80,24 +81,27 @@ class Runner:
         finished_returns, finished_correct, tokens = [], [], 0
         start = time.perf_counter()
         for step in range(T):
-            private = [env.private_observations() for env in self.envs.envs]  # (E, N) texts
-            outs = team.play_step(self.obs, private, token_values=self.trainer.token_level)  # one per agent
+            # 1. every agent replies in turn on every env (the critic values each turn)
+            outs = team.play_step(self.obs, self.envs.private_observations, token_values=self.trainer.token_level)
             for agent, out in enumerate(outs):
                 buffer.insert_turn(step, agent, out)
                 tokens += int(out.response_mask.sum())
+            # 2. the envs judge the replies; finished episodes restart in the same call
             actions = [[out.texts[e] for out in outs] for e in range(E)]  # (E, N) replies
-            self.obs, rewards, dones, infos = self.envs.step(actions)
-            buffer.insert_step(step, rewards, dones)
+            self.obs, rewards, terminated, truncated, infos = self.envs.step(actions)
+            buffer.insert_step(step, rewards, terminated, truncated)
+            if truncated.any():  # a truncated episode bootstraps from its final observation's value
+                buffer.final_values[step] = self._final_values(infos, truncated)
             self.episode_returns += np.asarray(rewards, dtype=np.float64).mean(-1)
-            for e in np.flatnonzero(dones):
+            for e in np.flatnonzero(terminated | truncated):
                 finished_returns.append(self.episode_returns[e])
-                final_info = infos[e].get("final_info", infos[e])
-                if "correct" in final_info:
-                    finished_correct.append(float(final_info["correct"]))
+                final_info = infos["final_info"]
+                if "correct" in final_info and final_info["_correct"][e]:
+                    finished_correct.append(float(final_info["correct"][e]))
                 self.episode_returns[e] = 0.0
         if not buffer.dones[T - 1].all():  # the value of the first agent's next turn bootstraps unfinished episodes
             with torch.no_grad():
-                private = [env.private_observations()[0] for env in self.envs.envs]
+                private = [texts[0] for texts in self.envs.private_observations]
                 prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
                 buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask, agent=0).float().cpu()
         seconds = time.perf_counter() - start
@@ -108,7 +112,20 @@ class Runner:
         if finished_correct:
             stats["charts/accuracy"] = float(np.mean(finished_correct))
         stats["charts/step_reward"] = float(buffer.rewards.mean())
+        stats["charts/truncated_episodes"] = float(buffer.truncated.sum())
         return buffer, stats
+
+    @torch.no_grad()
+    def _final_values(self, infos: dict, truncated: np.ndarray) -> torch.Tensor:
+        """``(E,)`` the critic's value of each truncated episode's final observation (as the first agent's turn
+        that never came), 0 for the other envs."""
+        rows = np.flatnonzero(truncated)
+        final_obs = [infos["final_obs"][e] for e in rows]
+        private = [infos["final_info"][PRIVATE_KEY][e][0] for e in rows]
+        prompt_ids, prompt_mask = self.team.encode_prompts(0, final_obs, [[] for _ in rows], private)
+        values = torch.zeros(len(truncated))
+        values[torch.as_tensor(rows)] = self.team.values(prompt_ids, prompt_mask, agent=0).float().cpu()
+        return values
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -137,19 +154,21 @@ class Runner:
         returns, correct = [], []
         for first in range(0, n, len(envs)):
             batch = list(range(first, min(first + len(envs), n)))
-            obs = [
-                env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k % env.num_problems} if hasattr(env, "num_problems") else None)[0]
+            obs, infos = zip(*[
+                env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k % env.num_problems} if hasattr(env, "num_problems") else None)
                 for env, k in zip(envs, batch)
-            ]
+            ])
+            obs = list(obs)
             live = list(range(len(batch)))
             ep_return = np.zeros(len(batch))
             last_correct = np.zeros(len(batch))
+            private = [info[PRIVATE_KEY] for info in infos]
             while live:
-                private = [envs[i].private_observations() for i in live]
-                outs = team.play_step([obs[i] for i in live], private, with_values=False)  # one per agent
+                outs = team.play_step([obs[i] for i in live], [private[i] for i in live], with_values=False)  # one per agent
                 still_live = []
                 for j, i in enumerate(live):
                     obs[i], rewards, terminated, truncated, info = envs[i].step([out.texts[j] for out in outs])
+                    private[i] = info[PRIVATE_KEY]
                     ep_return[i] += float(np.mean(rewards))
                     last_correct[i] = float(info.get("correct", 0.0))
                     if not (terminated or truncated):
