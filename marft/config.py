@@ -209,7 +209,13 @@ class TrainConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
 
-    def __post_init__(self):
+    def check(self) -> None:
+        """Checks across sections (each section checks itself in ``__post_init__``); run once the config is final,
+        after a resume merged the checkpoint's values.
+
+        Raises:
+            ValueError: ``agent_iteration_interval`` is shorter than one iteration's env steps.
+        """
         interval, per_iteration = self.algo.agent_iteration_interval, self.steps_per_iteration
         if 0 < interval < per_iteration:
             raise ValueError(

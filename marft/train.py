@@ -63,6 +63,7 @@ def validate(config: TrainConfig):
     from marft.agents.loading import check_model_path
     from marft.envs.profile import load_profile
 
+    config.check()
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
     make_train_env, make_eval_env = build_env_factories(config, profile)
