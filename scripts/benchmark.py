@@ -222,13 +222,13 @@ def bench_learning(args) -> dict:
 
 
 def build_runner(args):
-    """The library's runner (``marft.train.build_runner``) on a throw-away run directory unless
+    """The library's runner (``marft.launch.build_runner``) on a throw-away run directory unless
     ``--output_dir``; returns ``(runner, config, make_train_env)``."""
-    from marft import train
+    from marft.launch import build_runner as build_library_runner, validate
 
     config = make_config(args, args.output_dir or tempfile.mkdtemp(prefix="marft_bench_run_"))
-    validated = train.validate(config)
-    runner = train.build_runner(config, validated)
+    validated = validate(config)
+    runner = build_library_runner(config, validated)
     team = runner.team
     n_base = sum(p.numel() for n, p in team.model.named_parameters() if "lora_" not in n)
     print(f"model {model_label(args)}: {n_base / 1e6:.1f}M base parameters on {team.device} ({args.dtype})", flush=True)

@@ -5,7 +5,7 @@ Run ``python scripts/train_math.py --help`` for every flag.
 
 import sys
 
-from marft.train import main
+from marft.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,3 +33,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _register_dense_relay_sum():
+    """``dense_relay_sum``: ``relay_sum`` whose reward is a checksum of the answerer's reply in [0, 1] (two replies
+    rarely tie); never solved. Random models score 0 on ``relay_sum`` (a batch of equal rewards trains only the critic), so tests
+    that need policy updates on a random model use this env."""
+    import marft.envs
+    from marft.envs import StepOutcome
+    from marft.envs.cooperative import RelaySumEnv
+
+    class DenseRelaySum(RelaySumEnv):
+        def evaluate(self, state, actions):
+            reward = (sum(map(ord, actions[self.answer_index])) % 97) / 96
+            return StepOutcome(rewards=(reward,) * self.n_agents, solved=False, feedback="Again.", info={"correct": False})
+
+    marft.envs.register("dense_relay_sum", DenseRelaySum)
+
+
+_register_dense_relay_sum()

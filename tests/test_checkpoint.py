@@ -1,6 +1,6 @@
 """Checkpoints: exact resume, atomic saves (even under ``kill -9``), safe and verified loading.
 
-Every run here goes through ``marft.train.main`` on a tiny random model, 2 envs, 1 team step per
+Every run here goes through ``marft.launch.main`` on a tiny random model, 2 envs, 1 team step per
 iteration and a horizon of 3, so episodes run across iteration boundaries and the saved episode
 states and running returns matter. The env is ``relay_sum`` with a dense reward (a random model
 never solves the task, and all-zero rewards would hide a lost episode return).
@@ -24,11 +24,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from marft.algorithms import TRAINERS
 import marft.envs
-from marft.envs import StepOutcome
-from marft.envs.cooperative import RelaySumEnv
 from marft.faults import CheckpointError
 from marft.runner.shared.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from marft.train import main
+from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]
 E = 2  # n_rollout_threads; one team step per iteration, so num_env_steps = E * iterations
@@ -64,22 +62,6 @@ def scalars(run_dir: Path) -> dict[str, dict[int, float]]:
 
 
 TIMING = ("seconds", "per_s")
-
-
-class DenseRelaySum(RelaySumEnv):
-    """``relay_sum`` whose reward is the answerer's reply length mod 5, in quarters; never solved."""
-
-    def evaluate(self, state, actions):
-        reward = (len(actions[self.answer_index]) % 5) / 4
-        return StepOutcome(rewards=(reward,) * self.n_agents, solved=False, feedback="Again.", info={"correct": False})
-
-
-@pytest.fixture(autouse=True, scope="module")
-def dense_relay_sum():
-    """Registered for this module's runs only."""
-    marft.envs.register("dense_relay_sum", DenseRelaySum)
-    yield
-    marft.envs._REGISTRY.pop("dense_relay_sum")
 
 
 # ---------------------------------------------------------------------- exact resume
@@ -196,7 +178,7 @@ CHILD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     import marft.runner.shared.checkpoint as checkpoint
-    from marft.train import main
+    from marft.launch import main
 
     marker, argv = Path(sys.argv[1]), sys.argv[2:]
     write_value_head = checkpoint.save_file

@@ -2,7 +2,7 @@
 (pointing to the last good checkpoint, never saving NaN weights), broken reward functions and
 graders give reward 0, and out-of-memory errors say which flags reduce memory.
 
-Runs use a tiny random model on ``relay_sum`` (no grader process), 2 envs and 1 team step per iteration.
+Runs use a tiny random model on ``dense_relay_sum`` (conftest; no grader process), 2 envs and 1 team step per iteration.
 """
 
 import logging
@@ -18,7 +18,7 @@ from marft.envs import make
 from marft.envs.cooperative import RelaySumEnv
 from marft.envs.vector import TextVectorEnv
 from marft.faults import TrainingStopped
-from marft.train import main, train
+from marft.launch import main, train
 
 E = 2
 
@@ -26,10 +26,10 @@ E = 2
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def config(model_dir, run_dir, iterations: int, **algo) -> TrainConfig:
+def config(model_dir, run_dir, iterations: int, env: str = "dense_relay_sum", **algo) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=128),
-        env=EnvConfig(env_name="relay_sum", horizon=2),
+        env=EnvConfig(env_name=env, horizon=2),
         algo=AlgoConfig(**algo),
         runner=RunnerConfig(
             n_rollout_threads=E, episode_length=1, num_env_steps=E * iterations, output_dir=str(run_dir),
@@ -136,7 +136,7 @@ def test_repeated_nonfinite_updates_stop_at_the_last_good_checkpoint(random_mode
     monkeypatch.setattr(APPOTrainer, "policy_loss", policy_loss)
     run = tmp_path / "run"
     argv = [
-        "--model_name_or_path", random_model_dir, "--env_name", "relay_sum", "--max_new_tokens", "6", "--context_window", "128",
+        "--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6", "--context_window", "128",
         "--n_rollout_threads", str(E), "--episode_length", "1", "--num_env_steps", str(E * 6), "--eval_episodes", "1",
         "--n_eval_threads", "1", "--save_interval", "1", "--ppo_epoch", "2", "--max_consecutive_skips", "3", "--output_dir", str(run),
     ]
@@ -181,7 +181,7 @@ def test_a_reward_function_that_raises_gives_reward_zero(random_model_dir, tmp_p
 
     monkeypatch.setattr(RelaySumEnv, "evaluate", flaky)
     with caplog.at_level(logging.WARNING):
-        summary = train(config(random_model_dir, tmp_path, 4))
+        summary = train(config(random_model_dir, tmp_path, 4, env="relay_sum"))
     assert summary["iterations"] == 4
     failures = calls["n"] // 3
     assert "reward failed (reward 0" in caplog.text and "ZeroDivisionError: reward function bug" in caplog.text

@@ -2,7 +2,7 @@
 
 This is the shortened ``python scripts/benchmark.py learning`` run: the embedded tiny model (built once
 and cached, see ``marft.models.tiny``), a 2-agent Reasoner → Actor team, a fixed seed, through
-``marft.train.train`` (runner, buffer, agent-chain GAE, APPO trainer). Only the Reasoner sees the hidden
+``marft.launch.train`` (runner, buffer, agent-chain GAE, APPO trainer). Only the Reasoner sees the hidden
 key, so the team's reward rises only if the policy gradient reaches both agents through the shared
 conversation. The team reward of each iteration is read back from the TensorBoard logs.
 
@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
-from marft.train import train
+from marft.launch import train
 
 ITERATIONS = 32
 N_ENVS = 16

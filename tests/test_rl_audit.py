@@ -239,7 +239,7 @@ ABBREVIATED = [("--num_env", "num_env_steps", "64"), ("--lr", "lr", "0.003"), ("
 @pytest.mark.parametrize("style", ["abbreviated", "equals", "abbreviated_equals"])
 def test_flags_given_abbreviated_or_with_equals_survive_a_resume(random_model_dir, tmp_path, style):
     from marft.runner.shared.checkpoint import resume_config
-    from marft.train import main
+    from marft.launch import main
 
     run = tmp_path / "run"
     base = ["--model_name_or_path", random_model_dir, "--env_name", "relay_sum", "--max_new_tokens", "4", "--context_window", "128",

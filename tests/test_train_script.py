@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import marft.agents.loading
-from marft.train import main
+from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

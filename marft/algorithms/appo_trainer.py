@@ -42,7 +42,7 @@ class APPOTrainer:
             for adapter in team.policy_adapters
         }
         self.critic_optimizer = torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0)
-        self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0}
+        self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0, "constant_reward_batches": 0}
         self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, "critic"]}
         """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
         self.iteration = 0
@@ -120,11 +120,19 @@ class APPOTrainer:
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
         """Critic update on every agent turn, then one policy update per adapter of the scheduled agents.
 
-        LoRA dropout (``--lora_dropout``) is active here only; rollouts and scoring run in eval mode."""
+        A batch whose rewards are all equal carries no information on which replies are better: its
+        advantages are only the critic's errors, and following them (Adam turns any non-zero gradient into a
+        full-size step) is a random walk that lowers the policy's entropy. Such a batch trains the critic
+        only, and is counted (``counters/constant_reward_batches``), as group-relative methods zero out groups
+        without reward variance. LoRA dropout (``--lora_dropout``) is active here only."""
         self.iteration = iteration
+        agents = self.agents_to_train(iteration)
+        if agents and not bool(buffer.rewards.max() > buffer.rewards.min()):
+            self.counters["constant_reward_batches"] += 1
+            agents = []
         with self.team.lora_dropout_active():
             metrics = self.update_critic(buffer.critic_samples(self.token_level))
-            for adapter, agents in self.adapter_groups(self.agents_to_train(iteration)).items():
+            for adapter, agents in self.adapter_groups(agents).items():
                 samples = buffer.agent_samples(agents, self.token_level)
                 label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
                 for key, value in self.update_policy(adapter, samples).items():

@@ -3,13 +3,18 @@
     >>> from marft import envs
     >>> env = envs.make("math", dataset_path="arithmetic", horizon=2)
     >>> env = envs.make("relay_sum", split="test")   # the cooperative toy task
+    >>> env = envs.make("my_package.my_module:MyEnv", split="test")   # any importable class, by path
 
-The same environments are registered with gymnasium (``gymnasium.make("marft/Math-v0")``).
+A name is found, in this order: the registry (:func:`register`), an import path ``"module:Attr"``,
+then the ``marft.envs`` entry points of installed packages (``[project.entry-points."marft.envs"]``
+``agree = "my_package.agree:AgreeEnv"`` makes ``--env_name agree`` work once the package is installed).
+The shipped environments are registered with gymnasium too (``gymnasium.make("marft/Math-v0")``).
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
 from typing import Callable
 
 import gymnasium
@@ -32,22 +37,52 @@ def registered() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _resolve(entry_point: str | Callable[..., MultiAgentTextEnv]) -> Callable[..., MultiAgentTextEnv]:
-    if not isinstance(entry_point, str):
-        return entry_point
-    module, attr = entry_point.split(":")
-    return getattr(importlib.import_module(module), attr)
+ENTRY_POINT_GROUP = "marft.envs"
+"""The entry-point group installed packages declare their environments in."""
+
+
+def _import(entry_point: str, name: str) -> Callable[..., MultiAgentTextEnv]:
+    """``"package.module:Attr"`` imported; a clear ``ValueError`` naming ``name`` when that fails."""
+    module, _, attr = entry_point.partition(":")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"environment {name!r}: cannot import {entry_point!r} ({type(error).__name__}: {error}); "
+                         "is the module on PYTHONPATH (or installed) and the class name right?") from error
+    if not callable(found):
+        raise ValueError(f"environment {name!r}: {entry_point!r} is not a class or callable")
+    return found
+
+
+def resolve(name: str) -> Callable[..., MultiAgentTextEnv]:
+    """The class (or factory) ``name`` stands for: a registered name, an import path ``"module:Attr"``, or an
+    installed package's ``marft.envs`` entry point.
+
+    Raises:
+        ValueError: none of those; the message lists the registered names and how to add one.
+    """
+    if name in _REGISTRY:
+        entry = _REGISTRY[name]
+        return _import(entry, name) if isinstance(entry, str) else entry
+    if ":" in name:
+        return _import(name, name)
+    for entry in entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name == name:
+            return _import(entry.value, name)
+    raise ValueError(
+        f"unknown environment {name!r}; registered: {', '.join(registered())}. Pass an import path "
+        f"(--env_name my_package.my_module:MyEnv), call marft.envs.register({name!r}, ...) in Python, or declare an "
+        f"entry point in the {ENTRY_POINT_GROUP!r} group of an installed package"
+    )
 
 
 def make(name: str, **kwargs) -> MultiAgentTextEnv:
-    """Build the environment registered as ``name`` with ``kwargs``.
+    """Build the environment ``name`` (see :func:`resolve`) with ``kwargs``.
 
     Returns:
         MultiAgentTextEnv: a new, not yet reset environment (no gymnasium wrappers).
     """
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(registered())}")
-    return _resolve(_REGISTRY[name])(**kwargs)
+    return resolve(name)(**kwargs)
 
 
 register("math", "marft.envs.math.env:MathEnv")
@@ -68,4 +103,5 @@ __all__ = [
     "make",
     "register",
     "registered",
+    "resolve",
 ]

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m marft.train [flags]`` (what ``scripts/train_math.sh`` runs).
+"""Entry point: ``python -m marft.launch [flags]`` (what ``scripts/train_math.sh`` runs).
 
 All inputs are validated before the model is loaded, so a wrong path or agent
 count costs a second, not a model load.
@@ -41,14 +41,19 @@ def default_run_dir(config: TrainConfig) -> Path:
 
 
 def build_env_factories(config: TrainConfig, profile):
-    """``(make_train_env, make_eval_env)``; loads the datasets once so bad data fails early."""
-    from marft.envs import make
+    """``(make_train_env, make_eval_env)``; loads the datasets once so bad data fails early.
+
+    Environments other than ``math`` are built as ``EnvClass(split="train"|"test", profile=<list of AgentSpec>,
+    horizon=--horizon)``; ``--env_name`` may be a registered name, ``"package.module:Class"`` or an installed
+    entry point (:func:`marft.envs.resolve`)."""
+    from marft.envs import make, resolve
     from marft.envs.math import load_problems
 
     ec = config.env
     kwargs = dict(profile=profile, horizon=ec.horizon)
     if ec.env_name != "math":
-        return (lambda: make(ec.env_name, split="train", **kwargs)), (lambda: make(ec.env_name, split="test", **kwargs))
+        env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
+        return (lambda: env_class(split="train", **kwargs)), (lambda: env_class(split="test", **kwargs))
     train_problems = load_problems(ec.dataset_path, split="train")
     eval_source = ec.eval_dataset_path or ec.dataset_path
     eval_problems = load_problems(eval_source, split="test")
@@ -67,9 +72,35 @@ def validate(config: TrainConfig):
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
     make_train_env, make_eval_env = build_env_factories(config, profile)
+    for split, make_env in (("train", make_train_env), ("test", make_eval_env)):
+        probe_env(make_env, profile, f"--env_name {config.env.env_name} ({split})")
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
+
+
+def probe_env(make_env, profile, label: str) -> None:
+    """Build one environment, reset it and take one team step of empty replies, so that an env that cannot be
+    built, has the wrong team or returns the wrong number of rewards fails now, in one line, before the model
+    loads and before a run directory exists.
+
+    Raises:
+        ValueError: what went wrong, naming the environment.
+    """
+    roles = [spec.role for spec in profile]
+    try:
+        env = make_env()
+        env.reset(seed=0)
+        if list(env.unwrapped.roles) != roles:
+            raise ValueError(f"its roles are {list(env.unwrapped.roles)}, the profile's are {roles}")
+        _, rewards, *_ = env.step(("",) * len(roles))
+        if len(rewards) != len(roles):
+            raise ValueError(f"step returned {len(rewards)} rewards for {len(roles)} agents")
+        env.close()
+    except ValueError as error:
+        raise ValueError(f"{label}: {error}") from error
+    except Exception as error:  # noqa: BLE001 - any failure of user code, reported in one line
+        raise ValueError(f"{label} failed its first reset/step: {type(error).__name__}: {error}") from error
 
 
 def check_work_left(config: TrainConfig) -> None:
@@ -116,7 +147,16 @@ def build_runner(config: TrainConfig, validated=None):
 
 
 def train(config: TrainConfig, validated=None) -> dict:
-    """Build everything from ``config`` (:func:`build_runner`) and run training; returns the run summary."""
+    """Validate ``config`` (unless ``validated`` is :func:`validate`'s result), build everything
+    (:func:`build_runner`) and run training; return the run summary (accuracy before/after, iterations,
+    run directory, last checkpoint, seconds). This is ``marft.train``, the Python API.
+
+    With ``config.runner.load_path`` it resumes; unlike the command line, no value is taken from the
+    checkpoint's config (pass the config you want; :func:`marft.runner.shared.checkpoint.resume_config` merges).
+
+    Raises:
+        ValueError / FileNotFoundError: a bad input (profile, model path, data, environment), before the model loads.
+    """
     runner = build_runner(config, validated)
     start = time.perf_counter()
     summary = runner.run()

@@ -1,0 +1,150 @@
+"""A user's own environment, end to end: the README's code runs as written, ``--env_name`` finds envs by import
+path and entry point, bad envs stop before the model loads, and equal rewards do not move the policy."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import marft.envs
+from marft.envs import StepOutcome
+from marft.envs.cooperative import RelaySumEnv
+from marft.launch import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def readme_python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def small_run(model_dir, output_dir, *extra) -> list[str]:
+    return ["--model_name_or_path", model_dir, "--max_new_tokens", "6", "--context_window", "128", "--n_rollout_threads", "2",
+            "--episode_length", "1", "--num_env_steps", "4", "--eval_episodes", "2", "--n_eval_threads", "2",
+            "--output_dir", str(output_dir), *extra]
+
+
+@pytest.fixture
+def clean_registry():
+    before = dict(marft.envs._REGISTRY)
+    yield
+    marft.envs._REGISTRY.clear()
+    marft.envs._REGISTRY.update(before)
+
+
+def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_registry):
+    """Every ```python block of the README, in order, in one namespace (as a reader would paste them)."""
+    monkeypatch.chdir(tmp_path)  # the API example writes its run directory under results/
+    blocks = readme_python_blocks()
+    assert len(blocks) >= 3 and any("class AgreeWordEnv" in b for b in blocks)
+    namespace: dict = {"__name__": "readme"}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+    assert namespace["rewards"].tolist() == [1.0, 1.0] and namespace["info"]["correct"]
+    assert Path(namespace["summary"]["run_dir"], "summary.json").is_file()
+
+
+@pytest.fixture
+def user_package(tmp_path, monkeypatch):
+    """The README's environment saved as ``my_envs/agree.py`` in a folder on ``sys.path`` (as PYTHONPATH=. does)."""
+    package = tmp_path / "userland" / "my_envs"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "agree.py").write_text(next(b for b in readme_python_blocks() if "class AgreeWordEnv" in b))
+    monkeypatch.syspath_prepend(str(package.parent))
+    yield package.parent
+    for name in [m for m in sys.modules if m.startswith("my_envs")]:
+        del sys.modules[name]
+
+
+def test_env_name_takes_an_import_path(random_model_dir, tmp_path, user_package):
+    run = tmp_path / "run"
+    assert main(small_run(random_model_dir, run, "--env_name", "my_envs.agree:AgreeWordEnv")) == 0
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 2
+
+
+def test_env_name_finds_an_installed_packages_entry_point(tmp_path, user_package, monkeypatch):
+    """A package that declares ``[project.entry-points."marft.envs"]`` is found by its name once installed."""
+    dist = user_package / "my_envs-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-envs\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[marft.envs]\nagree_word = my_envs.agree:AgreeWordEnv\n")
+    env = marft.envs.make("agree_word", split="test")
+    assert type(env).__name__ == "AgreeWordEnv" and env.roles == ("Agent 1", "Agent 2")
+
+
+def fail_on_model_load(monkeypatch):
+    import marft.agents.loading
+
+    def refuse(config):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(marft.agents.loading, "load_base_model", refuse)
+
+
+def test_an_unknown_env_name_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    fail_on_model_load(monkeypatch)
+    assert main(["--env_name", "agree_wrd", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "unknown environment 'agree_wrd'" in err
+    assert "math" in err and "relay_sum" in err and "my_package.my_module:MyEnv" in err
+    assert main(["--env_name", "no_such_module:Env", "--output_dir", str(tmp_path / "run")]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+class WrongRewardCount(RelaySumEnv):
+    def evaluate(self, state, actions):
+        return StepOutcome(rewards=(1.0,), solved=True, info={"correct": True})
+
+
+class BrokenReset(RelaySumEnv):
+    def sample_task(self, options):
+        raise KeyError("task_table")
+
+
+@pytest.mark.parametrize("env_class,message", [(WrongRewardCount, "returned 1 rewards for 2 agents"), (BrokenReset, "KeyError")])
+def test_an_env_that_fails_its_first_step_stops_before_the_model_loads(tmp_path, monkeypatch, capsys, clean_registry, env_class, message):
+    fail_on_model_load(monkeypatch)
+    marft.envs.register("broken", env_class)
+    assert main(["--env_name", "broken", "--output_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "--env_name broken" in err
+    assert not (tmp_path / "run").exists()  # no half-made run folder
+
+
+# ---------------------------------------------------------------------- equal rewards: no drift
+class ConstantReward(RelaySumEnv):
+    """Every reply earns the same reward: the rollout says nothing about which replies are better."""
+
+    reward = 0.0
+
+    def evaluate(self, state, actions):
+        return StepOutcome(rewards=(self.reward,) * self.n_agents, solved=True, info={"correct": False})
+
+
+@pytest.mark.parametrize("reward", [0.0, 1.0])
+@pytest.mark.parametrize("algorithm", ["APPO", "TPPO"])
+def test_equal_rewards_leave_the_policy_where_it_was(random_model_dir, tmp_path, monkeypatch, clean_registry, reward, algorithm):
+    """Constant rewards for 6 iterations: the agents' adapters stay exactly at their start (KL to the starting
+    policy 0; before, critic noise blown up by advantage normalisation moved them by a KL of 0.3-1.4 in 40
+    iterations), the critic still learns, and the skipped batches are counted."""
+    monkeypatch.setattr(ConstantReward, "reward", reward)
+    marft.envs.register("constant_reward", ConstantReward)
+    run = tmp_path / "run"
+    assert main(small_run(random_model_dir, run, "--env_name", "constant_reward", "--algorithm_name", algorithm,
+                          "--num_env_steps", "12")) == 0
+    checkpoint = run / "checkpoints" / "steps_6"
+    for agent in ("reasoner", "actor"):
+        weights = load_file(checkpoint / agent / "adapter_model.safetensors")
+        assert all(torch.count_nonzero(w) == 0 for name, w in weights.items() if "lora_B" in name), agent  # B starts at 0
+    critic = load_file(checkpoint / "critic" / "adapter_model.safetensors")
+    assert any(torch.count_nonzero(w) > 0 for name, w in critic.items() if "lora_B" in name)
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["counters"]["constant_reward_batches"] == 6
