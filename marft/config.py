@@ -299,12 +299,13 @@ def _flag_type(hint: Any):
     return hint
 
 
-def build_parser(description: str = "Train an LLM agent team with multi-agent PPO.", with_defaults: bool = True) -> argparse.ArgumentParser:
-    """One flag per config field, grouped by section, help text from the field docstrings, allowed values
-    from :data:`CHOICES`. ``with_defaults=False`` leaves flags that are not given out of the namespace
-    (how :func:`parse_config` tells which flags were given)."""
+def build_parser(description: str = "Train an LLM agent team with multi-agent PPO.", with_defaults: bool = True,
+                 sections: dict | None = None) -> argparse.ArgumentParser:
+    """One flag per config field, grouped by section (default :data:`SECTIONS`), help text from the field
+    docstrings, allowed values from :data:`CHOICES`. ``with_defaults=False`` leaves flags that are not given
+    out of the namespace (how :func:`parse_config` tells which flags were given)."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for section, cls in SECTIONS.items():
+    for section, cls in (sections or SECTIONS).items():
         group = parser.add_argument_group(section, cls.__doc__)
         docs = field_docs(cls)
         hints = get_type_hints(cls)
@@ -320,20 +321,25 @@ def build_parser(description: str = "Train an LLM agent team with multi-agent PP
     return parser
 
 
+def parse_sections(argv: list[str], sections: dict, description: str) -> tuple[dict, set[str], argparse.ArgumentParser]:
+    """``({section: {field: value}}, given field names, parser)`` for the flags of ``sections``."""
+    parser = build_parser(description, sections=sections)
+    values = {section: {} for section in sections}
+    for key, value in vars(parser.parse_args(argv)).items():
+        section, name = key.split(".", 1)
+        values[section][name] = value
+    given = {key.split(".", 1)[1] for key in vars(build_parser(description, with_defaults=False, sections=sections).parse_args(argv))}
+    return values, given, parser
+
+
 def parse_config(argv: Optional[list[str]] = None) -> tuple[TrainConfig, set[str]]:
     """Parse flags into a :class:`TrainConfig`; also return the field names given explicitly.
 
     The given flags are what argparse itself parsed (a second pass without defaults), so abbreviated
     flags (``--num_env 8192``) and ``--flag=value`` count as given, exactly as argparse read them.
     """
-    parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
-    namespace = parser.parse_args(argv)
-    values = {section: {} for section in SECTIONS}
-    for key, value in vars(namespace).items():
-        section, name = key.split(".", 1)
-        values[section][name] = value
-    given = {key.split(".", 1)[1] for key in vars(build_parser(with_defaults=False).parse_args(argv))}
+    values, given, parser = parse_sections(argv, SECTIONS, "Train an LLM agent team with multi-agent PPO.")
     try:
         config = TrainConfig.from_dict(values)
     except ValueError as error:

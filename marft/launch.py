@@ -124,22 +124,31 @@ def check_work_left(config: TrainConfig) -> None:
         )
 
 
+def build_team(config: TrainConfig, profile):
+    """The base model (loaded once), the agent team on it and its trainer: ``(team, trainer)``.
+
+    The seed is set after loading, since building the embedded model draws random numbers: a first run and
+    a cached run start alike."""
+    from marft.agents.loading import load_base_model
+    from marft.agents.team import AgentTeam
+    from marft.algorithms import make_trainer
+
+    model, tokenizer = load_base_model(config.model)
+    seed_everything(config.runner.seed)
+    team = AgentTeam(model, tokenizer, profile, config.model)
+    return team, make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration)
+
+
 def build_runner(config: TrainConfig, validated=None):
     """The base model, agent team, trainer, training envs and :class:`Runner` that ``config`` describes.
 
     ``validated`` is the result of :func:`validate` when the caller already checked the inputs.
     """
-    from marft.agents.loading import load_base_model
-    from marft.agents.team import AgentTeam
-    from marft.algorithms import make_trainer
     from marft.envs.vector import TextVectorEnv
     from marft.runner.shared.runner import Runner
 
     profile, make_train_env, make_eval_env = validated or validate(config)
-    model, tokenizer = load_base_model(config.model)  # may build the embedded model first, which draws random numbers
-    seed_everything(config.runner.seed)  # so seed after loading: a first run and a cached run start alike
-    team = AgentTeam(model, tokenizer, profile, config.model)
-    trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration)
+    team, trainer = build_team(config, profile)
     envs = TextVectorEnv([make_train_env] * config.runner.n_rollout_threads)
     run_dir = default_run_dir(config)
     logger.info("run directory: %s", run_dir)

@@ -1,0 +1,262 @@
+"""Supervised warm start of an agent team (SFT before RL): each role's adapter learns its own turns.
+
+Data are multi-agent transcripts, one episode per JSONL line::
+
+    {"problem": "Agree on one word: apple, river, stone, cloud.",
+     "private": {"Reasoner": "x = 7"},                         # optional: what a role alone sees
+     "turns": [{"role": "Agent 1", "text": "PICK: river"},
+               {"role": "Agent 2", "text": "PICK: river"},
+               {"role": "Judge", "text": "Try again."}, ...]}  # optional judge feedback between team steps
+
+or drawn from an environment's ``demonstrations(n)`` (a scripted, deliberately imperfect expert). Every
+agent turn becomes one example: the prompt the team would build at that moment (``AgentTeam.encode_prompts``:
+role header, private observation, shared history, earlier replies of the step, the cue) and the reply tokens
+(+ EOS) as the team would sample them; the loss is on that reply only, through that role's adapter.
+The result is a checkpoint (``checkpoints/steps_0``) that ``--load_path`` starts RL from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from marft.prompting import JUDGE_ROLE, format_problem, format_turn
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SFTConfig:
+    """The supervised warm start (``scripts/sft.py``)."""
+
+    sft_data: str = "demonstrations"
+    """Transcripts: a JSONL file (one episode per line), or ``demonstrations`` to draw them from the env's demonstrations(n)."""
+    n_demonstrations: int = 2000
+    """How many episodes to draw from the env's demonstrations (training split)."""
+    sft_steps: int = 300
+    """Optimizer steps of the warm start."""
+    sft_batch_size: int = 32
+    """Agent turns per step (all roles mixed; each role's turns go through its own adapter)."""
+    sft_lr: float = 2e-3
+    """Learning rate of the adapters during the warm start (AdamW, cosine decay)."""
+
+    def __post_init__(self):
+        for name in ("n_demonstrations", "sft_steps", "sft_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class TurnExample:
+    """One agent turn to imitate."""
+
+    agent: int
+    """Index of the speaking agent in the profile."""
+    prompt_ids: list[int]
+    """The team's prompt for that turn, token ids (no padding)."""
+    reply_ids: list[int]
+    """The reply as the team would sample it: ``" " + text`` tokens, then EOS."""
+
+
+def load_transcripts(path: str | Path) -> tuple[list[dict], int]:
+    """``(transcripts, skipped)`` from a JSONL file; a malformed line is skipped, counted and logged.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: no usable transcript at all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--sft_data {path} does not exist; pass a JSONL file of transcripts or 'demonstrations'")
+    transcripts, skipped = [], 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            transcripts.append(check_transcript(json.loads(line)))
+        except (ValueError, TypeError, KeyError) as error:
+            skipped += 1
+            logger.warning("%s line %d skipped: %s", path, number, error)
+    if not transcripts:
+        raise ValueError(f"{path} holds no usable transcript ({skipped} malformed lines)")
+    return transcripts, skipped
+
+
+def check_transcript(row: dict) -> dict:
+    """``row`` itself when it is a transcript: a ``problem`` string and a list of ``turns`` with ``role`` and ``text``."""
+    if not isinstance(row.get("problem"), str) or not isinstance(row.get("turns"), list) or not row["turns"]:
+        raise ValueError("a transcript needs a 'problem' string and a non-empty 'turns' list")
+    for turn in row["turns"]:
+        if not isinstance(turn.get("role"), str) or not isinstance(turn.get("text"), str):
+            raise ValueError(f"a turn needs 'role' and 'text' strings, got {turn!r}")
+    if not isinstance(row.get("private", {}), dict):
+        raise ValueError("'private' must map roles to texts")
+    return row
+
+
+def turn_examples(team, transcripts: Iterable[dict]) -> list[TurnExample]:
+    """Every agent turn of ``transcripts`` as an example, prompted exactly as ``team`` prompts it.
+
+    A team step starts when the first agent speaks; the turns of the step before an agent's are its
+    ``earlier_turns``, everything before the step (judge lines included) its history.
+
+    Raises:
+        ValueError: a turn's role is not on the team (naming it and the team's roles).
+    """
+    roles = [spec.role for spec in team.profile]
+    examples = []
+    for transcript in transcripts:
+        history, step_turns = format_problem(transcript["problem"]), []
+        private = transcript.get("private", {})
+        for turn in transcript["turns"]:
+            role, text = turn["role"], turn["text"]
+            if role == JUDGE_ROLE:
+                history += "".join(format_turn(r, t) for r, t in step_turns) + format_turn(role, text)
+                step_turns = []
+                continue
+            if role not in roles:
+                raise ValueError(f"transcript turn by {role!r}, but the team's roles are {roles}")
+            agent = roles.index(role)
+            if agent == 0 and step_turns:  # a new team step
+                history += "".join(format_turn(r, t) for r, t in step_turns)
+                step_turns = []
+            ids, mask = team.encode_prompts(agent, [history], [list(step_turns)], [private.get(role, "")])
+            reply = team.tokenizer(" " + text.strip(), add_special_tokens=False).input_ids + [team.eos_id]
+            examples.append(TurnExample(agent, ids[0][mask[0].bool()].tolist(), reply[: team.config.max_new_tokens]))
+            step_turns.append((role, text))
+    return examples
+
+
+def reply_nll(team, adapter: str, batch: Sequence[TurnExample]) -> torch.Tensor:
+    """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1).
+
+    Prompts are left-padded and replies right-padded, as in the rollout, so positions match."""
+    from marft.agents.team import position_ids_from_mask
+
+    P = max(len(e.prompt_ids) for e in batch)
+    L = max(len(e.reply_ids) for e in batch)
+    ids = torch.full((len(batch), P + L), team.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), P + L), dtype=torch.long)
+    for row, e in enumerate(batch):
+        ids[row, P - len(e.prompt_ids) : P] = torch.tensor(e.prompt_ids)
+        ids[row, P : P + len(e.reply_ids)] = torch.tensor(e.reply_ids)
+        mask[row, P - len(e.prompt_ids) : P + len(e.reply_ids)] = 1
+    ids, mask = ids.to(team.device), mask.to(team.device)
+    team.route(adapter)
+    logits = team.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), logits_to_keep=L + 1).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)  # (B, L)
+    reply_mask = mask[:, P:].float()
+    return -(logp * reply_mask).sum() / reply_mask.sum()
+
+
+def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: int = 0) -> list[float]:
+    """Train each role's adapter on its own turns for ``config.sft_steps`` steps; return the loss per step.
+
+    Each step draws ``sft_batch_size`` turns; the turns of each adapter are one forward/backward through
+    that adapter, and each adapter's own optimizer steps. Nothing but the agents' adapters changes."""
+    if not examples:
+        raise ValueError("no transcript turn to learn from")
+    rng = random.Random(seed)
+    adapters = list(team.policy_adapters)
+    optimizers = {a: torch.optim.AdamW(team.adapter_parameters(a), lr=config.sft_lr, weight_decay=0.0) for a in adapters}
+    schedules = {a: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / config.sft_steps, 1.0))))
+                 for a, o in optimizers.items()}
+    losses = []
+    with team.lora_dropout_active():
+        for step in range(config.sft_steps):
+            batch = [examples[rng.randrange(len(examples))] for _ in range(config.sft_batch_size)]
+            total = 0.0
+            for adapter in adapters:
+                mine = [e for e in batch if team.agent_adapters[e.agent] == adapter]
+                if not mine:
+                    continue
+                team.set_active(adapter, trainable=True)
+                loss = reply_nll(team, adapter, mine)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(team.adapter_parameters(adapter), 1.0)
+                optimizers[adapter].step()
+                optimizers[adapter].zero_grad(set_to_none=True)
+                total += float(loss) * len(mine) / len(batch)
+            for schedule in schedules.values():
+                schedule.step()
+            losses.append(total)
+            if step % 50 == 0 or step == config.sft_steps - 1:
+                logger.info("sft step %d/%d: reply loss %.3f", step + 1, config.sft_steps, total)
+    team.set_active(None)
+    return losses
+
+
+def demonstrations(make_env, n: int, seed: int) -> list[dict]:
+    """``n`` transcripts from an environment's ``demonstrations(n)`` (drawn with its ``np_random`` after ``reset(seed)``).
+
+    Raises:
+        ValueError: the environment has no ``demonstrations`` method.
+    """
+    env = make_env()
+    if not hasattr(env.unwrapped, "demonstrations"):
+        raise ValueError(f"{type(env.unwrapped).__name__} has no demonstrations(n); pass --sft_data transcripts.jsonl instead")
+    env.reset(seed=seed)
+    return [check_transcript(t) for t in env.unwrapped.demonstrations(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python scripts/sft.py [training flags] [--sft_data ...]``: warm-start the team, save ``checkpoints/steps_0``."""
+    import sys
+    import time
+
+    from marft.config import SECTIONS, TrainConfig, parse_sections
+    from marft.faults import CheckpointError
+    from marft.launch import build_team, default_run_dir, validate
+    from marft.runner.shared.checkpoint import save_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    argv = sys.argv[1:] if argv is None else argv
+    values, _, parser = parse_sections(argv, {**SECTIONS, "sft": SFTConfig}, "Supervised warm start of an agent team (SFT before RL).")
+    try:
+        sft_config = SFTConfig(**values.pop("sft"))
+        config = TrainConfig.from_dict(values)
+        if config.runner.load_path:
+            raise ValueError("--load_path is for RL; the warm start starts from the base model")
+        profile, make_train_env, _ = validate(config)
+        transcripts, skipped = (
+            (demonstrations(make_train_env, sft_config.n_demonstrations, config.runner.seed), 0)
+            if sft_config.sft_data == "demonstrations" else load_transcripts(sft_config.sft_data)
+        )
+    except (FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    team, trainer = build_team(config, profile)
+    try:
+        examples = turn_examples(team, transcripts)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    losses = warm_start(team, examples, sft_config, seed=config.runner.seed)
+    run_dir = default_run_dir(config)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(config.to_json())
+    state = {"iteration": 0, "env_steps": 0, "roles": [spec.role for spec in profile], "next_agents": trainer.agents_to_train(0),
+             "counters": dict(trainer.counters), "sft": {"transcripts": len(transcripts), "skipped": skipped, "turns": len(examples),
+                                                         "first_loss": losses[0], "last_loss": losses[-1]}}
+    try:
+        checkpoint = save_checkpoint(run_dir / "checkpoints", 0, team, trainer, state, config.to_json())
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    summary = {**state["sft"], "seconds": round(time.perf_counter() - start, 1), "checkpoint": str(checkpoint)}
+    (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"warm start done in {summary['seconds']:.0f}s: {len(examples)} turns of {len(transcripts)} transcripts "
+          f"({skipped} skipped), reply loss {losses[0]:.3f} -> {losses[-1]:.3f}; start RL with --load_path {checkpoint}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
