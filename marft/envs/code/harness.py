@@ -26,6 +26,7 @@ Test kinds (``job["kind"]``):
 """
 
 import ctypes
+import errno
 import io
 import json
 import os
@@ -232,7 +233,7 @@ def run_timed(function, timeout_s):
     except MemoryError:
         status = "memory"
     except BaseException as e:  # noqa: BLE001 - whatever the program raises is its failure
-        status = "error"
+        status = "output_limit" if _isinstance(e, OSError) and e.errno in (errno.EFBIG, errno.ENOSPC) else "error"
         try:
             os.write(2, short_traceback(e).encode("utf-8", "replace"))
         except BaseException:  # noqa: BLE001
