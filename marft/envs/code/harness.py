@@ -27,6 +27,7 @@ Test kinds (``job["kind"]``):
 
 import ctypes
 import errno
+import fcntl
 import io
 import json
 import os
@@ -140,7 +141,10 @@ def clean_environment():
 
 
 def _memfile(name, data=b""):
-    fd = os.memfd_create(name, 0) if hasattr(os, "memfd_create") else os.open(".", os.O_TMPFILE | os.O_RDWR, 0o600)
+    """A memory file at fd >= 10 (fds 0-2 may be closed by the program: they must not be reused)."""
+    low = os.memfd_create(name, 0) if hasattr(os, "memfd_create") else os.open(".", os.O_TMPFILE | os.O_RDWR, 0o600)
+    fd = fcntl.fcntl(low, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(low)
     if data:
         os.write(fd, data)
         os.lseek(fd, 0, os.SEEK_SET)
@@ -189,7 +193,10 @@ class Capture:
         os.lseek(self.fds[2], max(0, err_size - keep), os.SEEK_SET)
         stderr = os.read(self.fds[2], keep)
         for fd in self.fds:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         return stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), over
 
 
@@ -213,7 +220,10 @@ def short_traceback(error):
             if 0 < tb.tb_lineno <= _len(source):
                 lines.append("    " + source[tb.tb_lineno - 1].strip())
         tb = tb.tb_next
-    message = str(error) if _type(error).__str__ is BaseException.__str__ else ""
+    try:
+        message = str(error)
+    except BaseException:  # noqa: BLE001 - the program's own __str__ may fail
+        message = ""
     lines.append(_type(error).__name__ + (": " + message if message else ""))
     return "\n".join(lines) + "\n"
 
@@ -250,11 +260,16 @@ def run_timed(function, timeout_s):
     return status, seconds
 
 
+LEFTOVERS = []
+"""Set (non-empty) once a test left processes behind."""
+
+
 def kill_leftovers():
     """SIGKILL every other process of this uid (the program's children); never the harness itself."""
     if os.geteuid() != 0:
         try:
             os.kill(-1, signal.SIGKILL)
+            LEFTOVERS.append(True)  # ESRCH otherwise: there was nothing to kill
         except OSError:
             pass
 
@@ -300,7 +315,7 @@ def load_program(job, code, channel, namespace):
     if over:
         status = "output_limit"
     if status != "ok":
-        channel.send(event="setup_failed", status=status, stderr=stderr)
+        channel.send(event="setup_failed", status=status, stderr=stderr, leftovers=bool(LEFTOVERS))
     return status == "ok"
 
 
@@ -412,7 +427,7 @@ def main():
     except Exception:  # noqa: BLE001 - a harness bug: say so instead of dying silently
         channel.send(event="harness_error", traceback=traceback.format_exc()[-4000:])
         os._exit(1)
-    channel.send(event="finished")
+    channel.send(event="finished", leftovers=bool(LEFTOVERS))
 
 
 _HARNESS_PID = os.getpid()

@@ -149,6 +149,10 @@ def _stdlib_world_readable(python: str) -> bool:
     return out.returncode == 0 and _world_readable(out.stdout.strip())
 
 
+_checked_slots: set[int] = set()
+"""Slot uids this process has already cleaned up once (later runs clean up after themselves)."""
+
+
 class Slot:
     """An unprivileged uid held exclusively (``flock``) while one program runs; ``uid == -1`` when not root."""
 
@@ -166,7 +170,10 @@ class Slot:
                 os.close(fd)
                 continue
             self.uid, self._lock = SLOT_UID_BASE + k, fd
-            kill_uid(self.uid)  # whatever a crashed grader may have left under this uid
+            if self.uid not in _checked_slots:  # first use here: a crashed grader may have left processes
+                kill_uid(self.uid)
+                wait_until_gone(self.uid)
+                _checked_slots.add(self.uid)
             return
         raise RuntimeError(f"all {MAX_SLOTS} sandbox slots are busy")
 
@@ -190,8 +197,21 @@ def kill_uid(uid: int) -> None:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
 
 
-def processes_of_uid(uid: int) -> list[int]:
-    """Live (non-zombie) processes whose real uid is ``uid``, read from ``/proc``."""
+def wait_until_gone(uid: int, timeout_s: float = 5.0) -> bool:
+    """Wait until no process of ``uid`` is left, zombies included (they count against ``RLIMIT_NPROC``
+    until reaped); kill again meanwhile. Returns whether they all went."""
+    deadline = time.monotonic() + timeout_s
+    while processes_of_uid(uid, zombies=True):
+        if time.monotonic() > deadline:
+            logger.warning("processes of sandbox uid %d are still there after %.0f s", uid, timeout_s)
+            return False
+        kill_uid(uid)
+        time.sleep(0.01)
+    return True
+
+
+def processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
+    """Processes whose real uid is ``uid``, read from ``/proc`` (zombies only when asked)."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -201,7 +221,8 @@ def processes_of_uid(uid: int) -> list[int]:
         except OSError:
             continue
         fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1 0").split()[0]) == uid and not fields.get("State", "").strip().startswith(("Z", "X")):
+        dead = fields.get("State", "").strip().startswith(("Z", "X"))
+        if int(fields.get("Uid", "-1 0").split()[0]) == uid and (zombies or not dead):
             found.append(int(entry))
     return found
 
@@ -224,6 +245,8 @@ class RunResult:
     stderr: str = ""
     """stderr of the setup failure, or of the harness itself when it died."""
     isolation: Isolation | None = None
+    clean: bool = False
+    """It finished or failed its setup without leaving processes behind (no need to wait for any to go)."""
 
 
 class HarnessRun:
@@ -267,6 +290,8 @@ class HarnessRun:
                 if proc is not None:
                     _kill_group(proc)
                 kill_uid(slot.uid)
+                if not self.result.clean:
+                    wait_until_gone(slot.uid)
                 for fd in (read_fd, write_fd, err_fd):
                     if fd >= 0:
                         os.close(fd)
@@ -359,11 +384,13 @@ class HarnessRun:
             return True
         elif kind == "setup_failed":
             result.end, result.end_status, result.stderr = "setup_failed", str(event["status"]), str(event.get("stderr", ""))
+            result.clean = not event.get("leftovers", True)
         elif kind == "harness_error":
             logger.error("sandbox harness failed: %s", event.get("traceback", ""))
             result.stderr = "harness error: " + str(event.get("traceback", ""))[-self.limits.stderr_bytes:]
         elif kind == "finished":
             result.current = None
+            result.clean = not event.get("leftovers", True)
         return False
 
     def _ended(self, returncode: int) -> None:
