@@ -116,7 +116,8 @@ def run_tests(
             break
         start = first_open + 1
     final = tuple(s or "error" for s in statuses)
-    first_failure = next((i for i, s in enumerate(final) if s != "passed"), None)
+    failures = [i for i, s in enumerate(final) if s != "passed"]
+    first_failure = next((i for i in failures if stderr.get(i, "").strip()), failures[0] if failures else None)
     return TestReport(
         passed=sum(s == "passed" for s in final),
         total=len(final),

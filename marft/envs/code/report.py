@@ -31,7 +31,7 @@ class TestReport:
     statuses: tuple[str, ...]
     """One of ``STATUSES`` per test, in test order."""
     stderr: str = ""
-    """Truncated stderr of the first test that did not pass ("" when all passed)."""
+    """Truncated stderr of the first failed test that wrote any (else of the first failed test; "" when all passed)."""
     seconds: float = 0.0
     """Wall-clock time of the whole grading."""
     notes: tuple[str, ...] = field(default_factory=tuple)
