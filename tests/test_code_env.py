@@ -165,7 +165,6 @@ def test_vector_env_grades_the_step_in_parallel_with_the_same_results():
         env.reset(seed=10 + k)
     actions = [("", solved_reply(env) if k % 2 else fenced("def f(x):\n    return x\n")) for k, env in enumerate(vector.envs)]
     expected = [env.step(a)[1] for env, a in zip(plain, actions)]
-    _, rewards, dones, infos = vector.step(actions)
-    assert np.allclose(rewards, np.stack(expected)) and dones.all()
-    assert [info["final_info"]["correct"] for info in infos] == [False, True, False, True] or rewards[0, 0] > 0
-    assert all(not env._pending for env in vector.envs)
+    rewards = vector.step(actions)[1]
+    assert np.allclose(rewards, np.stack(expected)) and rewards[1].tolist() == rewards[3].tolist() == [1.0, 1.0]
+    assert all(not env._pending for env in vector.envs)  # every pregraded report was used

@@ -123,6 +123,7 @@ def isolate(job):
         os.setgid(job["gid"])
         os.setuid(job["uid"])
         done["uid"] = True
+        UID_DROPPED.append(True)
     _call(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # /proc/self readable by the program itself
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the grader dies: so does the harness
@@ -264,9 +265,16 @@ LEFTOVERS = []
 """Set (non-empty) once a test left processes behind."""
 
 
+UID_DROPPED = []
+"""Set (non-empty) once the harness runs as the slot's own uid: only then may it kill by uid."""
+
+
 def kill_leftovers():
-    """SIGKILL every other process of this uid (the program's children); never the harness itself."""
-    if os.geteuid() != 0:
+    """SIGKILL every other process of the slot's uid (the program's children); never the harness itself.
+
+    Without a uid of its own (the grader is not root) this would hit the grader: nothing is done.
+    """
+    if UID_DROPPED:
         try:
             os.kill(-1, signal.SIGKILL)
             LEFTOVERS.append(True)  # ESRCH otherwise: there was nothing to kill

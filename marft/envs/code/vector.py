@@ -10,20 +10,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from marft.envs.vector import TextVectorEnv
 
 
 class CodeVectorEnv(TextVectorEnv):
     """``TextVectorEnv`` with parallel grading of the step's programs."""
 
-    def step(self, actions: Sequence[Sequence[str]]) -> tuple[list[str], np.ndarray, np.ndarray, list[dict]]:
-        """As ``TextVectorEnv.step``; every env's program is graded in parallel first."""
-        if len(actions) != self.n_envs:
-            raise ValueError(f"expected actions for {self.n_envs} envs, got {len(actions)}")
-        for env, team_actions in zip(self.envs, actions):
-            pregrade = getattr(env, "pregrade", None)
-            if pregrade is not None:
-                pregrade(tuple(team_actions))
+    def step(self, actions: Sequence[Sequence[str]]):
+        """As ``TextVectorEnv.step`` (same arguments and return values); every env's program is graded
+        in parallel first."""
+        if len(actions) == len(self.envs):  # otherwise TextVectorEnv.step raises its own error
+            for env, team_actions in zip(self.envs, actions):
+                pregrade = getattr(getattr(env, "unwrapped", env), "pregrade", None)
+                if pregrade is not None:
+                    pregrade(tuple(team_actions))
         return super().step(actions)
