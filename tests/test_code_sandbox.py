@@ -93,6 +93,7 @@ def test_output_comparison():
     assert outputs_match("1 2\n3  \n\n", "1 2 3")
     assert outputs_match("0.333333333", "0.3333333333") and not outputs_match("0.3334", "0.3333")
     assert not outputs_match("12345678901234567890", "12345678901234567891")  # integers are exact
+    assert outputs_match("-007 +5 -0", "-7 5 0") and outputs_match("9" * 5000, "9" * 5000) and not outputs_match("9" * 5000, "9" * 4999 + "8")
     assert not outputs_match("YES", "yes") and not outputs_match("1 2", "1 2 3")
     assert values_equal(parse_literal("[1, (2.0000001, 'a')]"), [1, [2.0, "a"]])
     assert values_equal(parse_literal("nan"), float("nan")) and parse_literal("-inf") == float("-inf")
@@ -107,6 +108,12 @@ def test_call_tests():
     tests = [{"call": "f(1, 3)", "expected": "0.3333333333"}, {"call": "f(2, 0)", "expected": "[2, [0, 'x']]"},
              {"call": "f(1, 1)", "expected": "2.0"}, {"call": "g(1)", "expected": "1"}]
     assert run_tests(program, tests).statuses == ("passed", "passed", "failed", "error")
+
+
+def test_big_integer_answers():
+    big = "7" * 5000
+    assert run_tests(f"def f():\n    return int('{big}')\n", [{"call": "f()", "expected": big}]).statuses == ("passed",)
+    assert run_tests(f"print(int('{big}') + 1)", [{"input": "", "output": big[:-1] + "8"}]).statuses == ("passed",)
 
 
 def test_check_tests():

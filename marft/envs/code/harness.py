@@ -2,7 +2,9 @@
 
 Started by ``marft.envs.code.sandbox`` as ``python3 -I -S harness.py`` with:
 
-* fd 0: the job, one JSON object (program, tests *without* their expected outputs, limits, nonce);
+* fd 0: the job, one ``marshal``-ed dict from the grader (program, tests *without* their expected
+  outputs, limits, nonce); ``marshal`` and the small JSON writer below spare the ~8 ms that
+  importing ``json`` and ``traceback`` would add to every run;
 * fd ``job["channel_fd"]``: the report channel, a pipe back to the grader; one line per event,
   ``<nonce> <json>``.
 
@@ -29,17 +31,16 @@ import ctypes
 import errno
 import fcntl
 import io
-import json
+import marshal
 import os
 import resource
 import signal
 import sys
 import time
-import traceback
 
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 WRITABLE_SYSTEM_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 PLAIN_TYPES = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
 
@@ -54,6 +55,28 @@ class HarnessTimeout(BaseException):
     """Raised into the program when a test's time is up."""
 
 
+_JSON_ESCAPES = {i: "\\u%04x" % i for i in range(32)}
+_JSON_ESCAPES.update({ord("\\"): "\\\\", ord('"'): '\\"', 0x2028: "\\u2028", 0x2029: "\\u2029"})
+
+
+def to_json(value):
+    """JSON text of the harness's own events (str, int, float, bool, None, lists, str-keyed dicts)."""
+    kind = _type(value)
+    if kind is str:
+        return '"' + value.translate(_JSON_ESCAPES) + '"'
+    if value is None or kind is bool:
+        return {None: "null", True: "true", False: "false"}[value]
+    if kind is int:
+        return str(value)
+    if kind is float:
+        return repr(value) if value == value and value not in (float("inf"), float("-inf")) else "null"
+    if kind in (list, tuple):
+        return "[" + ", ".join(to_json(item) for item in value) + "]"
+    if kind is dict:
+        return "{" + ", ".join(to_json(str(k)) + ": " + to_json(v) for k, v in value.items()) + "}"
+    raise TypeError("cannot write %s as JSON" % kind.__name__)
+
+
 class Channel:
     """Writes ``<nonce> <json>`` lines to the grader; never from a forked child of the program."""
 
@@ -63,7 +86,7 @@ class Channel:
     def send(self, **event):
         if os.getpid() != self.pid:  # a fork of the program returned into harness code
             os._exit(1)
-        data = (self.nonce + " " + json.dumps(event) + "\n").encode()
+        data = (self.nonce + " " + to_json(event) + "\n").encode("utf-8", "replace")
         while data:
             data = data[os.write(self.fd, data):]
 
@@ -97,6 +120,18 @@ def set_limits(limits):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the file limit fails with EFBIG instead
 
 
+def private_mounts(libc, job):
+    """In the new mount namespace: a size-limited tmpfs on the working directory, shared temp folders read-only."""
+    _call(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
+    options = "size=%dk,mode=0700,uid=%d,gid=%d" % (job["limits"]["disk_bytes"] >> 10, job["uid"], job["gid"])
+    _call(libc.mount(b"tmpfs", job["workdir"].encode(), b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), "mount tmpfs")
+    for path in WRITABLE_SYSTEM_DIRS:
+        if os.path.isdir(path) and not os.path.islink(path):
+            target = path.encode()
+            _call(libc.mount(target, target, None, MS_BIND | MS_REC, None), "bind " + path)
+            _call(libc.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None), "read-only " + path)
+
+
 def isolate(job):
     """Namespaces, the private working directory and the uid drop; returns what was isolated."""
     libc, root = _libc(), os.geteuid() == 0
@@ -109,14 +144,10 @@ def isolate(job):
         done["network"] = True
     workdir = job["workdir"].encode()
     if done["mounts"]:
-        _call(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
-        options = "size=%dk,mode=0700,uid=%d,gid=%d" % (job["limits"]["disk_bytes"] >> 10, job["uid"], job["gid"])
-        _call(libc.mount(b"tmpfs", workdir, b"tmpfs", MS_NOSUID | MS_NODEV, options.encode()), "mount tmpfs")
-        for path in WRITABLE_SYSTEM_DIRS:
-            if os.path.isdir(path) and not os.path.islink(path):
-                target = path.encode()
-                _call(libc.mount(target, target, None, MS_BIND | MS_REC, None), "bind " + path)
-                _call(libc.mount(None, target, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV, None), "read-only " + path)
+        try:
+            private_mounts(libc, job)
+        except OSError:
+            done["mounts"] = False  # e.g. a container without mount rights: permissions protect the rest
     os.chdir(workdir)
     if root and job["uid"] > 0:
         os.setgroups([])
@@ -127,6 +158,7 @@ def isolate(job):
     _call(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # /proc/self readable by the program itself
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the grader dies: so does the harness
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphaned descendants become the harness's children
     if os.getppid() != job["grader_pid"]:
         os._exit(1)
     return done
@@ -272,14 +304,24 @@ UID_DROPPED = []
 def kill_leftovers():
     """SIGKILL every other process of the slot's uid (the program's children); never the harness itself.
 
-    Without a uid of its own (the grader is not root) this would hit the grader: nothing is done.
+    The harness is a child subreaper, so every descendant, however it detached, is reaped here:
+    waiting until none is left both confirms they are gone and frees their ``RLIMIT_NPROC`` slots.
+    Without a uid of its own (the grader is not root) ``kill(-1)`` would hit the grader: then only
+    the harness's own descendants are reaped.
     """
-    if UID_DROPPED:
+    while True:
+        if UID_DROPPED:
+            try:
+                os.kill(-1, signal.SIGKILL)
+            except OSError:
+                pass
         try:
-            os.kill(-1, signal.SIGKILL)
-            LEFTOVERS.append(True)  # ESRCH otherwise: there was nothing to kill
-        except OSError:
-            pass
+            pid, _ = os.waitpid(-1, 0 if UID_DROPPED else os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        LEFTOVERS.append(pid)
 
 
 def fresh_namespace(name="__main__"):
@@ -342,7 +384,10 @@ def run_call_tests(job, code, channel):
         value = None
         if status == "ok":
             if is_plain(result[0]):
-                value = _repr(result[0])
+                try:
+                    value = _repr(result[0])
+                except (ValueError, RecursionError, MemoryError) as e:
+                    status, stderr = "error", stderr + "\nthe result cannot be written out (%s)" % _type(e).__name__
             else:
                 status, stderr = "error", stderr + "\nthe result is not plain data (%s)" % _type(result[0]).__name__
         if over or (value is not None and _len(value) > job["limits"]["file_bytes"]):
@@ -415,13 +460,15 @@ RUNNERS = {"stdin": run_stdin_tests, "call": run_call_tests, "check": run_check_
 
 
 def main():
-    job = json.loads(sys.stdin.buffer.read().decode("utf-8"))
+    job = marshal.loads(sys.stdin.buffer.read())
     channel = Channel(job["channel_fd"], job["nonce"])
     os.set_inheritable(job["channel_fd"], False)
     set_limits(job["limits"])
     isolated = isolate(job)
     clean_environment()
     sys.argv = [""]
+    if hasattr(sys, "set_int_max_str_digits"):
+        sys.set_int_max_str_digits(0)  # big-integer answers are common in contest problems
     try:
         SOURCES["<program>"] = job["program"].splitlines()
         code = compile(job["program"], "<program>", "exec")
@@ -433,6 +480,8 @@ def main():
     try:
         RUNNERS[job["kind"]](job, code, channel)
     except Exception:  # noqa: BLE001 - a harness bug: say so instead of dying silently
+        import traceback
+
         channel.send(event="harness_error", traceback=traceback.format_exc()[-4000:])
         os._exit(1)
     channel.send(event="finished", leftovers=bool(LEFTOVERS))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import marshal
 import os
 import secrets
 import select
@@ -154,14 +155,20 @@ _checked_slots: set[int] = set()
 
 
 class Slot:
-    """An unprivileged uid held exclusively (``flock``) while one program runs; ``uid == -1`` when not root."""
+    """An unprivileged uid held exclusively (``flock``) while one program runs, and the folder its
+    private tmpfs is mounted on; ``uid == -1`` and no folder when not root.
+
+    The folder is the slot's for good (``<tmp>/marft-sandbox-slots/<k>.d``): it stays empty on the
+    host, as each run mounts a fresh tmpfs on it inside its own mount namespace. (Removing a folder
+    that was a mount point in another namespace waits for an RCU grace period, ~30 ms per run.)
+    """
 
     def __init__(self):
-        self.uid, self._lock = -1, None
+        self.uid, self.workdir, self._lock = -1, None, None
         if os.geteuid() != 0:
             return
         folder = Path(tempfile.gettempdir()) / "marft-sandbox-slots"
-        folder.mkdir(mode=0o700, exist_ok=True)
+        folder.mkdir(mode=0o711, exist_ok=True)  # searchable, so a program can resolve its cwd's absolute path
         for k in range(MAX_SLOTS):
             fd = os.open(folder / f"{k}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
@@ -170,9 +177,13 @@ class Slot:
                 os.close(fd)
                 continue
             self.uid, self._lock = SLOT_UID_BASE + k, fd
-            if self.uid not in _checked_slots:  # first use here: a crashed grader may have left processes
+            self.workdir = folder / f"{k}.d"
+            if self.uid not in _checked_slots:  # first use here: a crashed grader may have left processes and files
                 kill_uid(self.uid)
                 wait_until_gone(self.uid)
+                shutil.rmtree(self.workdir, ignore_errors=True)
+                self.workdir.mkdir(mode=0o700)
+                os.chown(self.workdir, self.uid, self.uid)
                 _checked_slots.add(self.uid)
             return
         raise RuntimeError(f"all {MAX_SLOTS} sandbox slots are busy")
@@ -266,13 +277,11 @@ class HarnessRun:
 
     def run(self) -> RunResult:
         with Slot() as slot:
-            workdir = tempfile.mkdtemp(prefix="marft-sandbox-")
+            workdir = str(slot.workdir) if slot.workdir else tempfile.mkdtemp(prefix="marft-sandbox-")
             read_fd, write_fd = os.pipe()
             err_fd = os.memfd_create("harness-stderr")
             proc = None
             try:
-                if slot.uid > 0:
-                    os.chown(workdir, slot.uid, slot.uid)
                 job = {**self.job, "nonce": self._nonce.decode(), "channel_fd": write_fd, "workdir": workdir,
                        "uid": slot.uid, "gid": slot.uid, "grader_pid": os.getpid(), "stderr_bytes": self.limits.stderr_bytes, "timeout_s": self.limits.timeout_s,
                        "limits": {"cpu_s": self.limits.cpu_seconds(len(self.job["tests"])), "memory_mb": self.limits.memory_mb,
@@ -282,7 +291,7 @@ class HarnessRun:
                                         stderr=err_fd, pass_fds=(write_fd,), env=SANDBOX_ENV, cwd="/", start_new_session=True)
                 os.close(write_fd)
                 write_fd = -1
-                self._send_job(proc, json.dumps(job).encode())
+                self._send_job(proc, marshal.dumps(job))
                 self._follow(proc, read_fd)
                 if self.result.end == "died":
                     self.result.stderr = _tail(err_fd, self.limits.stderr_bytes)
@@ -295,7 +304,7 @@ class HarnessRun:
                 for fd in (read_fd, write_fd, err_fd):
                     if fd >= 0:
                         os.close(fd)
-                shutil.rmtree(workdir, ignore_errors=True)
+                _clean_workdir(workdir, keep=slot.workdir is not None)
         return self.result
 
     @staticmethod
@@ -401,6 +410,20 @@ class HarnessRun:
             return
         result.end = "died"
         result.end_status = {-signal.SIGXCPU: "timeout", -signal.SIGXFSZ: "output_limit"}.get(returncode, "error")
+
+
+def _clean_workdir(workdir: str, keep: bool) -> None:
+    """Remove the run's folder, or only what is in it when it is a slot's (it is already empty when
+    the run had its own tmpfs on it)."""
+    if not keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    with os.scandir(workdir) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                os.unlink(entry.path)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
