@@ -1,4 +1,5 @@
-"""A code-team run of scripts/train_math.sh --env_name code: completes, checkpoints, resumes with --load_path."""
+"""A code-team run of scripts/train_math.sh --env_name code completes and checkpoints; scripts/train_code.sh
+(dataset flags reach CodeEnv, parallel grading) resumes it with --load_path."""
 
 import json
 import os
@@ -9,10 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def train(args, timeout=300):
+def train(args, script="train_math.sh", timeout=300):
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # this checkout's marft
     env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
-    result = subprocess.run(["bash", str(ROOT / "scripts" / "train_math.sh"), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / script), *args], env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -29,6 +30,7 @@ def test_code_team_trains_checkpoints_and_resumes(random_model_dir, tmp_path):
     assert len(envs) == 4 and all(env["episode"] is None or env["episode"]["type"] == "CodeState" for env in envs)
     assert all("missing_code_blocks" in env["counters"] for env in envs)  # the code env's own state is checkpointed
 
-    train([*common, "--num_env_steps", "12", "--load_path", str(out / "checkpoints" / "steps_2")])
+    train([*common, "--num_env_steps", "12", "--load_path", str(out / "checkpoints" / "steps_2"), "--dataset_path", "generated"],
+          script="train_code.sh")
     assert json.loads((out / "summary.json").read_text())["iterations"] == 3
     assert (out / "checkpoints" / "steps_3").is_dir()
