@@ -88,7 +88,21 @@ def run_tests(
         limits = replace(limits, timeout_s=timeout_s or limits.timeout_s, memory_mb=memory_mb or limits.memory_mb)
     job, expected = _job(program, tests, entry_point)
     started = time.monotonic()
-    deadline = started + limits.max_total_s
+    statuses, stderr, notes = _run_all(job, expected, limits, deadline=started + limits.max_total_s)
+    failures = [i for i, s in enumerate(statuses) if s != "passed"]
+    first_failure = next((i for i in failures if stderr.get(i, "").strip()), failures[0] if failures else None)
+    return TestReport(
+        passed=sum(s == "passed" for s in statuses),
+        total=len(statuses),
+        statuses=statuses,
+        stderr="" if first_failure is None else stderr.get(first_failure, "")[-limits.stderr_bytes:],
+        seconds=time.monotonic() - started,
+        notes=tuple(notes),
+    )
+
+
+def _run_all(job: dict, expected: list, limits: SandboxLimits, deadline: float) -> tuple[tuple[str, ...], dict[int, str], list[str]]:
+    """Run every test, in fresh harnesses after one dies mid-test; ``(statuses, stderr by test, notes)``."""
     statuses: list[str | None] = [None] * len(expected)
     stderr: dict[int, str] = {}
     notes: list[str] = []
@@ -115,17 +129,7 @@ def run_tests(
             notes.append(f"gave up after {restarts} restarts")
             break
         start = first_open + 1
-    final = tuple(s or "error" for s in statuses)
-    failures = [i for i, s in enumerate(final) if s != "passed"]
-    first_failure = next((i for i in failures if stderr.get(i, "").strip()), failures[0] if failures else None)
-    return TestReport(
-        passed=sum(s == "passed" for s in final),
-        total=len(final),
-        statuses=final,
-        stderr="" if first_failure is None else stderr.get(first_failure, "")[-limits.stderr_bytes:],
-        seconds=time.monotonic() - started,
-        notes=tuple(notes),
-    )
+    return tuple(s or "error" for s in statuses), stderr, notes
 
 
 # ---------------------------------------------------------------- parallel grading
