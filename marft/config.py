@@ -85,8 +85,8 @@ class EnvConfig:
 
     env_name: str = "math"
     """Registered environment name (``marft.envs.make``)."""
-    dataset_path: str = "arithmetic"
-    """Training problems: a JSON/JSONL file, or ``arithmetic`` for the generated dataset."""
+    dataset_path: Optional[str] = None
+    """Training problems, passed to the env: for math a JSON/JSONL file or ``arithmetic`` (the default, generated); for code a DeepCoder-style JSON/JSONL file, ``humaneval`` or ``generated`` (the default). None: the env's own default."""
     eval_dataset_path: Optional[str] = None
     """Held-out problems for evaluation; default: the test split of ``dataset_path``."""
     horizon: int = 1

@@ -41,11 +41,12 @@ def default_run_dir(config: TrainConfig) -> Path:
 
 
 def build_env_factories(config: TrainConfig, profile):
-    """``(make_train_env, make_eval_env)``; loads the datasets once so bad data fails early.
+    """``(make_train_env, make_eval_env)``; loads the math datasets once so bad data fails early.
 
     Environments other than ``math`` are built as ``EnvClass(split="train"|"test", profile=<list of AgentSpec>,
-    horizon=--horizon)``; ``--env_name`` may be a registered name, ``"package.module:Class"`` or an installed
-    entry point (:func:`marft.envs.resolve`)."""
+    horizon=--horizon)``, plus ``dataset_path=`` when ``--dataset_path`` (or, for evaluation,
+    ``--eval_dataset_path``) is given; ``--env_name`` may be a registered name, ``"package.module:Class"`` or an
+    installed entry point (:func:`marft.envs.resolve`)."""
     from marft.envs import make, resolve
     from marft.envs.math import load_problems
 
@@ -53,10 +54,13 @@ def build_env_factories(config: TrainConfig, profile):
     kwargs = dict(profile=profile, horizon=ec.horizon)
     if ec.env_name != "math":
         env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
-        return (lambda: env_class(split="train", **kwargs)), (lambda: env_class(split="test", **kwargs))
-    train_problems = load_problems(ec.dataset_path, split="train")
-    eval_source = ec.eval_dataset_path or ec.dataset_path
-    eval_problems = load_problems(eval_source, split="test")
+        train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
+        eval_source = ec.eval_dataset_path or ec.dataset_path
+        eval_data = {} if eval_source is None else {"dataset_path": eval_source}
+        return (lambda: env_class(split="train", **train_data, **kwargs)), (lambda: env_class(split="test", **eval_data, **kwargs))
+    source = ec.dataset_path or "arithmetic"
+    train_problems = load_problems(source, split="train")
+    eval_problems = load_problems(ec.eval_dataset_path or source, split="test")
     return (
         lambda: make("math", problems=train_problems, **kwargs),
         lambda: make("math", problems=eval_problems, **kwargs),

@@ -12,7 +12,8 @@ from marft.envs.profile import (
     load_profile,
 )
 
-NAMED = ["reasoner_actor", "planner_solver", "planner_solver_verifier", "planner_solver_reflector_verifier"]
+NAMED = ["reasoner_actor", "planner_solver", "planner_solver_verifier", "planner_solver_reflector_verifier",
+         "reasoner_actor_code", "planner_coder", "planner_coder_debugger", "planner_coder_reviewer_debugger"]
 
 
 def write(tmp_path, entries, name="p.json"):

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
 
 
 def small_run(model_dir, output_dir, *extra) -> list[str]:
@@ -42,7 +42,7 @@ def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_reg
     """Every ```python block of the README, in order, in one namespace (as a reader would paste them)."""
     monkeypatch.chdir(tmp_path)  # the API example writes its run directory under results/
     blocks = readme_python_blocks()
-    assert len(blocks) >= 3 and any("class AgreeWordEnv" in b for b in blocks)
+    assert len(blocks) >= 3 and any("class AgreeNumberEnv" in b for b in blocks)
     namespace: dict = {"__name__": "readme"}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
@@ -56,7 +56,7 @@ def user_package(tmp_path, monkeypatch):
     package = tmp_path / "userland" / "my_envs"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "agree.py").write_text(next(b for b in readme_python_blocks() if "class AgreeWordEnv" in b))
+    (package / "agree.py").write_text(next(b for b in readme_python_blocks() if "class AgreeNumberEnv" in b))
     monkeypatch.syspath_prepend(str(package.parent))
     yield package.parent
     for name in [m for m in sys.modules if m.startswith("my_envs")]:
@@ -65,7 +65,7 @@ def user_package(tmp_path, monkeypatch):
 
 def test_env_name_takes_an_import_path(random_model_dir, tmp_path, user_package):
     run = tmp_path / "run"
-    assert main(small_run(random_model_dir, run, "--env_name", "my_envs.agree:AgreeWordEnv")) == 0
+    assert main(small_run(random_model_dir, run, "--env_name", "my_envs.agree:AgreeNumberEnv")) == 0
     assert json.loads((run / "summary.json").read_text())["iterations"] == 2
 
 
@@ -74,9 +74,9 @@ def test_env_name_finds_an_installed_packages_entry_point(tmp_path, user_package
     dist = user_package / "my_envs-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-envs\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[marft.envs]\nagree_word = my_envs.agree:AgreeWordEnv\n")
-    env = marft.envs.make("agree_word", split="test")
-    assert type(env).__name__ == "AgreeWordEnv" and env.roles == ("Agent 1", "Agent 2")
+    (dist / "entry_points.txt").write_text("[marft.envs]\nagree_number = my_envs.agree:AgreeNumberEnv\n")
+    env = marft.envs.make("agree_number", split="test")
+    assert type(env).__name__ == "AgreeNumberEnv" and env.roles == ("Agent 1", "Agent 2")
 
 
 def fail_on_model_load(monkeypatch):

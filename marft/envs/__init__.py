@@ -87,8 +87,9 @@ def make(name: str, **kwargs) -> MultiAgentTextEnv:
 
 register("math", "marft.envs.math.env:MathEnv")
 register("relay_sum", "marft.envs.cooperative:RelaySumEnv")
+register("code", "marft.envs.code.env:CodeEnv")
 
-GYM_IDS = {"math": "marft/Math-v0", "relay_sum": "marft/RelaySum-v0"}
+GYM_IDS = {"math": "marft/Math-v0", "relay_sum": "marft/RelaySum-v0", "code": "marft/Code-v0"}
 """gymnasium ids of the registered environments."""
 for _name, _gym_id in GYM_IDS.items():
     if _gym_id not in gymnasium.registry:

@@ -10,6 +10,8 @@ gymnasium's own ``SyncVectorEnv`` cannot hold per-agent rewards (it stores one f
 dominates the cost anyway, so the envs are stepped one after another in this process.
 Each env may be wrapped (e.g. ``gymnasium.wrappers.TimeLimit``): what the team needs from an env
 (its roles, what each agent alone sees) comes through the wrapper's attributes and ``info``.
+An env whose grading is slow may define ``pregrade(replies)``: ``step`` hands every env its replies
+that way first (``CodeEnv`` starts its sandboxes in a pool), then steps them one by one.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ class TextVectorEnv(VectorEnv):
         """
         if len(actions) != self.num_envs:
             raise ValueError(f"expected actions for {self.num_envs} envs, got {len(actions)}")
+        for env, team_actions in zip(self.envs, actions):  # start every env's slow grading at once (e.g. sandboxes)
+            pregrade = getattr(env.unwrapped, "pregrade", None)
+            if pregrade is not None:
+                pregrade(tuple(team_actions))
         observations, infos = [], {}
         rewards = np.zeros((self.num_envs, self.n_agents), dtype=np.float32)  # (num_envs, n_agents)
         terminated = np.zeros(self.num_envs, dtype=bool)

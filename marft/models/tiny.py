@@ -37,6 +37,10 @@ logger = logging.getLogger(__name__)
 TINY_MODEL_NAME = "marft-tiny"
 EOS = "<|endoftext|>"
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "envs" / "profiles"
+CORPUS_PROFILES = tuple(f"{name}{twin}" for name in ("planner_solver", "planner_solver_reflector_verifier", "planner_solver_verifier",
+                                                      "reasoner_actor") for twin in ("", "_anonymous"))
+"""The shipped profiles whose text trains the tokenizer: a fixed list, so shipping a new profile does not change the
+embedded model (its cache hash covers the recipe, not the corpus)."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +119,9 @@ def _corpus_texts(seed: int = 0) -> list[str]:
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.prompting import format_private, format_problem, format_turn
 
-    texts = [json.dumps(json.loads(p.read_text())) for p in sorted(PROFILES_DIR.glob("*.json"))]
-    for spec_file in sorted(PROFILES_DIR.glob("*.json")):
+    profile_files = sorted(PROFILES_DIR / f"{name}.json" for name in CORPUS_PROFILES)
+    texts = [json.dumps(json.loads(p.read_text())) for p in profile_files]
+    for spec_file in profile_files:
         texts += [entry.get("prompt", "") + "\n" + entry.get("role", "") + ":" for entry in json.loads(spec_file.read_text())]
     for row in generate_arithmetic("train") + generate_arithmetic("test"):
         a, op, b = _operands(row)
