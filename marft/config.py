@@ -59,7 +59,9 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype of the base model."""
     device: str = "auto"
-    """Torch device: ``auto`` picks cuda when available, else cpu."""
+    """Torch device: ``auto`` picks cuda when available, else cpu. With several processes (``torchrun``, ``accelerate launch``) each uses its local GPU: give ``cuda`` or ``auto``, not ``cuda:N``."""
+    gradient_checkpointing: bool = False
+    """Recompute the base model's layer activations in the backward pass of the update instead of keeping them (less memory for long replies, about one more forward of time)."""
 
     def __post_init__(self):
         if self.n_agents < 1:
@@ -191,6 +193,8 @@ class RunnerConfig:
     """Resume from a ``checkpoints/steps_<N>`` folder, or from a run directory's latest complete checkpoint; flags not given are taken from the checkpoint's config."""
     keep_checkpoints: int = 0
     """Keep only the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
+    dist_timeout_s: float = 300.0
+    """With several processes: seconds a collective waits for the others before failing, so a dead or stuck process stops the run with an error instead of a hang (the first collective also waits for the model to load)."""
 
     def __post_init__(self):
         for name in ("n_rollout_threads", "episode_length", "n_eval_threads"):
@@ -198,6 +202,8 @@ class RunnerConfig:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.keep_checkpoints < 0:
             raise ValueError(f"--keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"--dist_timeout_s must be positive, got {self.dist_timeout_s}")
 
 
 @dataclass

@@ -7,6 +7,7 @@ count costs a second, not a model load.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import sys
 import time
@@ -73,6 +74,7 @@ def validate(config: TrainConfig):
     from marft.envs.profile import load_profile
 
     config.check()
+    check_processes(config)
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
     make_train_env, make_eval_env = build_env_factories(config, profile)
@@ -107,6 +109,24 @@ def probe_env(make_env, profile, label: str) -> None:
         raise ValueError(f"{label} failed its first reset/step: {type(error).__name__}: {error}") from error
 
 
+def check_processes(config: TrainConfig) -> None:
+    """With P processes (``torchrun`` / ``accelerate launch``), each takes ``n_rollout_threads / P`` envs.
+
+    Raises:
+        ValueError: P does not divide ``--n_rollout_threads``, or ``--device`` names one GPU for all processes.
+    """
+    from marft.distributed import world_size_from_env
+
+    processes, envs = world_size_from_env(), config.runner.n_rollout_threads
+    if processes > 1 and envs % processes:
+        raise ValueError(
+            f"--n_rollout_threads {envs} cannot be split over {processes} processes: each process takes an equal share "
+            f"of the environments, so use a multiple of {processes} (e.g. {processes * max(1, envs // processes)})"
+        )
+    if processes > 1 and config.model.device.startswith("cuda:"):
+        raise ValueError(f"--device {config.model.device} would put all {processes} processes on one GPU: use --device cuda (each process takes its local GPU)")
+
+
 def check_work_left(config: TrainConfig) -> None:
     """A resumed run must have iterations left to train: never a silent run of 0 steps.
 
@@ -128,19 +148,27 @@ def check_work_left(config: TrainConfig) -> None:
         )
 
 
-def build_team(config: TrainConfig, profile):
+def build_team(config: TrainConfig, profile, dist=None):
     """The base model (loaded once), the agent team on it and its trainer: ``(team, trainer)``.
 
     The seed is set after loading, since building the embedded model draws random numbers: a first run and
-    a cached run start alike."""
+    a cached run start alike. With several processes (``dist``), rank 0 builds the embedded model first,
+    every process starts from rank 0's adapters, and each samples with its own seed."""
     from marft.agents.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.algorithms import make_trainer
+    from marft.distributed import Distributed
 
-    model, tokenizer = load_base_model(config.model)
+    dist = dist or Distributed()
+    with dist.main_process_first():  # rank 0 builds and caches the embedded model before the others read it
+        model, tokenizer = load_base_model(config.model)
     seed_everything(config.runner.seed)
     team = AgentTeam(model, tokenizer, profile, config.model)
-    return team, make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration)
+    trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration, dist=dist)
+    if dist.enabled:
+        dist.broadcast_parameters(team.critic_parameters() + [p for a in team.policy_adapters for p in team.adapter_parameters(a)])
+        seed_everything(config.runner.seed + dist.rank)  # each process samples its own replies
+    return team, trainer
 
 
 def build_runner(config: TrainConfig, validated=None):
@@ -148,15 +176,18 @@ def build_runner(config: TrainConfig, validated=None):
 
     ``validated`` is the result of :func:`validate` when the caller already checked the inputs.
     """
+    from marft.distributed import init_distributed
     from marft.envs.vector import TextVectorEnv
     from marft.runner.shared.runner import Runner
 
     profile, make_train_env, make_eval_env = validated or validate(config)
-    team, trainer = build_team(config, profile)
-    envs = TextVectorEnv([make_train_env] * config.runner.n_rollout_threads)
-    run_dir = default_run_dir(config)
-    logger.info("run directory: %s", run_dir)
-    return Runner(config, team, trainer, envs, make_eval_env, run_dir)
+    dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
+    team, trainer = build_team(config, profile, dist)
+    envs = TextVectorEnv([make_train_env] * (config.runner.n_rollout_threads // dist.world_size))
+    run_dir = dist.broadcast_object(default_run_dir(config))  # rank 0's timestamp
+    if dist.is_main:
+        logger.info("run directory: %s", run_dir)
+    return Runner(config, team, trainer, envs, make_eval_env, run_dir, dist=dist)
 
 
 def train(config: TrainConfig, validated=None) -> dict:
@@ -178,7 +209,14 @@ def train(config: TrainConfig, validated=None) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from marft.distributed import world_size_from_env
+
+    rank = int(os.environ.get("RANK", "0")) if world_size_from_env() > 1 else 0
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,  # rank 0 tells the story; the others warn only
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == 0 else f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     config, given = parse_config(argv)
     try:
         if config.runner.load_path:
@@ -196,6 +234,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (CheckpointError, TrainingStopped) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    if rank != 0:
+        return 0
     print(
         f"done in {summary['seconds']:.0f}s: accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
         f"run directory {summary['run_dir']}",

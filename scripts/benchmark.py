@@ -22,12 +22,17 @@
   peak-memory figures do not mix.
 
 Each prints progress, then ONE line of JSON with its figures (the last line of stdout).
+
+``learning`` and ``iteration`` also run data-parallel, e.g. on CPU
+``OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 scripts/benchmark.py iteration``: each process
+takes ``--n_rollout_threads / P`` envs, and only rank 0 prints (its own timings).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -197,7 +202,7 @@ def bench_learning(args) -> dict:
     seconds = time.perf_counter() - start
     train_tasks_after = runner.evaluate(make_env=make_train_env)
     print(f"training tasks, fresh episodes: success {train_tasks_before['accuracy']:.3f} -> {train_tasks_after['accuracy']:.3f}", flush=True)
-    plot = plot_learning_curve(Path(args.output_dir) / "logs")
+    plot = plot_learning_curve(Path(args.output_dir) / "logs") if runner.dist.is_main else None  # rank 0 wrote the logs
     print(f"learning curve: {plot}", flush=True)
     return emit({
         "bench": "learning",
@@ -500,6 +505,8 @@ def bench_iteration(args) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, rank 0 reports
+        sys.stdout = open(os.devnull, "w")
     benches = {"learning": bench_learning, "rollout": bench_rollout, "update": bench_update, "iteration": bench_iteration}
     return benches[args.bench](args)
 

@@ -162,6 +162,16 @@ class AgentTeam(nn.Module):
             self.model.add_adapter(name, lora)
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         self._lora_dropouts = [m for layer in self._lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
+        self._checkpointed_layers = []
+        if config.gradient_checkpointing:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            enable = getattr(base_model, "activation_checkpointing_enable", None)  # the newer name of gradient_checkpointing_enable
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._checkpointed_layers = [m for m in base_model.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.model.eval()  # new LoRA modules start in train mode: dropout stays off outside lora_dropout_active()
         hidden = base_model.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
@@ -286,14 +296,22 @@ class AgentTeam(nn.Module):
     @contextmanager
     def lora_dropout_active(self):
         """Inside (the update), LoRA dropout (``--lora_dropout``) is active; everywhere else the model is in
-        eval mode, so rollouts, critic values and scoring are deterministic functions of the weights."""
+        eval mode, so rollouts, critic values and scoring are deterministic functions of the weights.
+
+        With ``--gradient_checkpointing`` the decoder layers are checkpointed inside too: transformers
+        checkpoints a layer only while that layer is in training mode, so the layers' own ``training`` flags
+        are set (not ``.train()``, which would also turn on the base model's dropout below them)."""
         for module in self._lora_dropouts:
             module.train()
+        for layer in self._checkpointed_layers:
+            layer.training = True
         try:
             yield
         finally:
             for module in self._lora_dropouts:
                 module.eval()
+            for layer in self._checkpointed_layers:
+                layer.training = False
 
     # ------------------------------------------------------------------ model calls
     def scoring_logits(self, logits: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ def trainer_class(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def make_trainer(team, config, steps_per_iteration: int):
+def make_trainer(team, config, steps_per_iteration: int, dist=None):
     """The trainer registered under ``config.algorithm_name``; ``steps_per_iteration`` (env steps collected per
-    iteration) converts the agent schedule, counted in env steps, into iterations."""
-    return trainer_class(config.algorithm_name)(team, config, steps_per_iteration=steps_per_iteration)
+    iteration, all processes together) converts the agent schedule, counted in env steps, into iterations;
+    ``dist`` is the process group of a data-parallel run (None: one process)."""
+    kwargs = {} if dist is None else {"dist": dist}
+    return trainer_class(config.algorithm_name)(team, config, steps_per_iteration=steps_per_iteration, **kwargs)

@@ -6,9 +6,9 @@ parameters, and ``agent_iteration_interval`` trains one agent at a time. Agents
 that share an adapter (``--shared_lora``) are trained together: their turns go
 into ONE update of the shared adapter per iteration.
 
-The update loop (schedule, minibatches, gradient accumulation, clipping, skips)
-lives here once; the token-level trainer (``tppo_trainer.py``) overrides only the
-algorithm hooks: ``compute_advantages``, ``normalized_advantages``, ``policy_loss``,
+The update loop (schedule, minibatches, gradient accumulation, clipping, skips,
+and with several processes the reductions of :mod:`marft.distributed`) lives here
+once; the token-level trainer (``tppo_trainer.py``) overrides only the algorithm hooks: ``compute_advantages``, ``normalized_advantages``, ``policy_loss``,
 ``value_loss`` and ``loss_units``.
 """
 
@@ -23,6 +23,7 @@ import torch
 from marft.agents.team import AgentTeam
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
 from marft.config import AlgoConfig
+from marft.distributed import SINGLE, Distributed
 from marft.faults import TrainingStopped
 from marft.runner.shared.buffer import RolloutBuffer, trim_batch
 
@@ -30,11 +31,18 @@ logger = logging.getLogger(__name__)
 
 
 class APPOTrainer:
-    """Owns the optimizers and runs one PPO update per rollout batch."""
+    """Owns the optimizers and runs one PPO update per rollout batch.
 
-    def __init__(self, team: AgentTeam, config: AlgoConfig, steps_per_iteration: int):
+    With several processes (``dist``), each holds its share of the rollout batch and every optimizer step
+    equals the single-process step on the union of the shares: each process shuffles its own rows and splits
+    them into ``num_mini_batch`` minibatches (as many on every process, since the shares are equal), and step
+    k uses the union of the processes' k-th minibatches, its chunks weighted by that union's loss units."""
+
+    def __init__(self, team: AgentTeam, config: AlgoConfig, steps_per_iteration: int, dist: Distributed = SINGLE):
         self.team = team
         self.config = config
+        self.dist = dist
+        """Process group of a data-parallel run (:data:`~marft.distributed.SINGLE`: one process, no collectives)."""
         self.steps_per_iteration = steps_per_iteration
         """Environment steps one iteration collects: the schedule (``warmup_steps``, ``agent_iteration_interval``) counts env steps."""
         self.policy_optimizers = {
@@ -61,6 +69,11 @@ class APPOTrainer:
             return list(range(self.team.n_agents))
         return [(env_steps // interval) % self.team.n_agents]
 
+    def rewards_vary(self, buffer: RolloutBuffer) -> bool:
+        """Whether the rewards of the batch (over all processes) are not all equal."""
+        stats = self.dist.mean_std(buffer.rewards.flatten().double())
+        return stats is None or float(stats[1]) > 1e-9
+
     def adapter_groups(self, agents: list[int]) -> dict[str, list[int]]:
         """The scheduled ``agents`` grouped by the adapter they act with: one group per agent, or a single
         group with ``--shared_lora``, so a shared adapter gets ONE update on all its agents' turns."""
@@ -84,10 +97,12 @@ class APPOTrainer:
         return float(len(indices))
 
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Standardise one adapter's advantages over its batch (when ``normalize_advantages``)."""
+        """Standardise one adapter's advantages over its batch, all processes' rows together (when ``normalize_advantages``)."""
         advantages = samples["advantages"]  # (B,)
-        if self.config.normalize_advantages and advantages.numel() > 1:
-            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+        stats = self.dist.mean_std(advantages) if self.config.normalize_advantages else None
+        if stats is not None:
+            mean, std = stats
+            advantages = (advantages - mean) / (std + 1e-8)
         return {**samples, "advantages": advantages}
 
     def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -127,9 +142,10 @@ class APPOTrainer:
         without reward variance. LoRA dropout (``--lora_dropout``) is active here only."""
         self.iteration = iteration
         agents = self.agents_to_train(iteration)
-        if agents and not bool(buffer.rewards.max() > buffer.rewards.min()):
+        if agents and not self.rewards_vary(buffer):
             self.counters["constant_reward_batches"] += 1
             agents = []
+        out_of_topk = self.counters["out_of_topk_tokens"]
         with self.team.lora_dropout_active():
             metrics = self.update_critic(buffer.critic_samples(self.token_level))
             for adapter, agents in self.adapter_groups(agents).items():
@@ -138,20 +154,29 @@ class APPOTrainer:
                 for key, value in self.update_policy(adapter, samples).items():
                     metrics[f"agent_{label}/{key}"] = value
         self.team.set_active(None)
+        if self.dist.enabled:  # counted over all processes, so every process keeps the same counters
+            (counted,) = self.dist.sum_floats([self.counters["out_of_topk_tokens"] - out_of_topk])
+            self.counters["out_of_topk_tokens"] = out_of_topk + int(counted)
         return metrics
 
-    def _minibatches(self, n_samples: int, chunks_per_minibatch: int):
-        """Per epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks."""
+    def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float]]:
+        """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
+        units of each minibatch summed over processes (one all-reduce per epoch). Returns ``[(chunks, units)]``."""
+        n_samples = samples["prompt_ids"].shape[0]
         size = math.ceil(n_samples / self.config.num_mini_batch)
-        for indices in torch.randperm(n_samples).split(size):
-            yield indices, indices.chunk(chunks_per_minibatch)
+        minibatches = torch.randperm(n_samples).split(size)
+        units = self.dist.sum_floats([self.loss_units(samples, indices) for indices in minibatches])
+        return [(indices.chunk(chunks_per_minibatch), max(u, 1.0)) for indices, u in zip(minibatches, units)]
 
     def _step(self, optimizer, params, loss_ok: bool, name: str) -> float:
         """Clip and apply the accumulated gradient of optimizer ``name``; skip (and count) a non-finite one.
+        With several processes the gradients are summed over them first, and a non-finite loss on any
+        process skips the step on all (so the weights stay identical).
 
         Raises:
             TrainingStopped: ``max_consecutive_skips`` minibatches of ``name`` were skipped in a row.
         """
+        loss_ok = self.dist.sync_gradients(params, loss_ok)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
         if not loss_ok or not torch.isfinite(grad_norm):
             self.counters["skipped_minibatches"] += 1
@@ -183,13 +208,11 @@ class APPOTrainer:
         params = team.adapter_parameters(adapter)
         team.set_active(adapter, trainable=True)
         samples = self.normalized_advantages(samples)
-        n = samples["prompt_ids"].shape[0]
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
-            for indices, chunks in self._minibatches(n, cfg.gradient_cp_steps):
+            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps):
                 loss_ok = True
-                units = max(self.loss_units(samples, indices), 1.0)
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
                     policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
@@ -204,9 +227,12 @@ class APPOTrainer:
                         stats[key].append(value.item())
                     epoch_kl.append(pstats["approx_kl"].item())
                 stats["grad_norm"].append(self._step(optimizer, params, loss_ok, adapter))
-            if cfg.target_kl is not None and epoch_kl and sum(epoch_kl) / len(epoch_kl) > cfg.target_kl:
+            if cfg.target_kl is None:
+                continue
+            kl_sum, kl_count = self.dist.sum_floats([sum(epoch_kl), len(epoch_kl)])  # the epoch's chunks on all processes
+            if kl_count and kl_sum / kl_count > cfg.target_kl:
                 self.counters["kl_early_stops"] += 1
-                logger.info("adapter %s: approx KL %.4f > target %.4f, remaining epochs skipped", adapter, sum(epoch_kl) / len(epoch_kl), cfg.target_kl)
+                logger.info("adapter %s: approx KL %.4f > target %.4f, remaining epochs skipped", adapter, kl_sum / kl_count, cfg.target_kl)
                 break
         return {key: _nanmean(values) for key, values in stats.items()}
 
@@ -219,12 +245,10 @@ class APPOTrainer:
         cfg, team = self.config, self.team
         params = team.critic_parameters()
         team.set_active("critic", trainable=True)
-        n = samples["prompt_ids"].shape[0]
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for indices, chunks in self._minibatches(n, cfg.gradient_cp_steps * team.n_agents):
+            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * team.n_agents):
                 loss_ok = True
-                units = max(self.loss_units(samples, indices), 1.0)
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
                     value_loss = self.value_loss(mb)
@@ -240,12 +264,21 @@ class APPOTrainer:
             returns, values = samples["token_returns"][real], samples["token_values"][real]
         else:
             returns, values = samples["returns"], samples["values"]
-        explained = 1 - (returns - values).var() / returns.var().clamp(min=1e-8)
+        explained = self._explained_variance(returns, values)
         return {
             "critic/value_loss": _nanmean(stats["value_loss"]),
             "critic/grad_norm": _nanmean(stats["grad_norm"]),
             "critic/explained_variance": float(explained),
         }
+
+    def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor) -> float:
+        """``1 - var(returns - values) / var(returns)`` over all processes' entries (1-D each)."""
+        if not self.dist.enabled:
+            return float(1 - (returns - values).var() / returns.var().clamp(min=1e-8))
+        errors, spread = self.dist.mean_std(returns - values), self.dist.mean_std(returns)
+        if errors is None:
+            return float("nan")
+        return float(1 - errors[1] ** 2 / (spread[1] ** 2).clamp(min=1e-8))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

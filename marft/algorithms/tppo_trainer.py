@@ -29,11 +29,12 @@ class TPPOTrainer(APPOTrainer):
         return float(samples["response_mask"][indices].sum())
 
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Standardise token advantages over the real tokens of one agent's batch."""
+        """Standardise token advantages over the real tokens of one agent's batch (all processes' tokens together)."""
         advantages, mask = samples["token_advantages"], samples["response_mask"].bool()  # (B, L)
-        if self.config.normalize_advantages and mask.sum() > 1:
-            real = advantages[mask]
-            advantages = torch.where(mask, (advantages - real.mean()) / (real.std() + 1e-8), torch.zeros_like(advantages))
+        stats = self.dist.mean_std(advantages[mask]) if self.config.normalize_advantages else None
+        if stats is not None:
+            mean, std = stats
+            advantages = torch.where(mask, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
         return {**samples, "token_advantages": advantages}
 
     def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:

@@ -2,6 +2,10 @@
 
 "Shared" as in on-policy's MAPPO: one runner drives the whole team over a batch of
 parallel environments; agents act in profile order on each environment's shared history.
+
+With several processes (:mod:`marft.distributed`) every process runs this loop on its own share of the
+environments; rank 0 alone writes the run directory (config, TensorBoard, progress bar, summary,
+checkpoints), with metrics averaged over the processes, and every process resumes from the checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from tqdm import tqdm
 
 from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
+from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY
 from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
@@ -29,7 +34,9 @@ from marft.runner.shared.checkpoint import (
     load_checkpoint,
     read_checkpoint_meta,
     resume_incompatibilities,
+    rng_state,
     save_checkpoint,
+    set_rng_state,
 )
 
 logger = logging.getLogger(__name__)
@@ -43,30 +50,39 @@ class Runner:
         team: the agent team (one base model, adapters, critic).
         trainer: an algorithm object with ``update(buffer, iteration) -> metrics``,
             ``agents_to_train(iteration)``, ``counters``, ``state_dict`` and ``load_state_dict``.
-        envs: a ``TextVectorEnv`` of ``n_rollout_threads`` training environments.
+        envs: a ``TextVectorEnv`` of this process's ``n_rollout_threads / P`` training environments.
         make_eval_env: builds one held-out environment.
-        run_dir: where config, TensorBoard logs and checkpoints go.
+        run_dir: where config, TensorBoard logs and checkpoints go (the same on every process).
+        dist: the process group of a data-parallel run (default: one process).
     """
 
-    def __init__(self, config: TrainConfig, team: AgentTeam, trainer, envs, make_eval_env: Callable, run_dir: Path):
+    def __init__(self, config: TrainConfig, team: AgentTeam, trainer, envs, make_eval_env: Callable, run_dir: Path, dist: Distributed = SINGLE):
         self.config = config
         self.team = team
         self.trainer = trainer
         self.envs = envs
         self.make_eval_env = make_eval_env
+        self.dist = dist
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        cleanup_partial_checkpoints(self.checkpoint_dir)
         self.last_checkpoint: Path | None = None  # the newest checkpoint saved or resumed from (to point to on a stop)
-        (self.run_dir / "config.json").write_text(config.to_json())
-        self.writer = SummaryWriter(str(self.run_dir / "logs"))
-        self.writer.add_text("config", _markdown_table(config.to_dict()))
+        self.writer = self._open_writer()
+        if dist.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cleanup_partial_checkpoints(self.checkpoint_dir)
+            (self.run_dir / "config.json").write_text(config.to_json())
+            self.writer.add_text("config", _markdown_table(config.to_dict()))
         self.roles = [spec.role for spec in team.profile]
         self.start_iteration = 0
-        self.env_steps = 0
-        self.obs, _ = envs.reset(seed=config.runner.seed)
-        self.episode_returns = np.zeros(config.runner.n_rollout_threads)  # running team return per env
+        self.env_steps = 0  # all processes together
+        self.obs, _ = envs.reset(seed=config.runner.seed + dist.rank * envs.n_envs)  # rank r's env k: seed + r * E/P + k
+        self.episode_returns = np.zeros(envs.n_envs)  # running team return per env
+
+    def _open_writer(self, purge_step: int | None = None):
+        """TensorBoard on rank 0; a writer that drops everything on the other processes."""
+        if not self.dist.is_main:
+            return _NullWriter()
+        return SummaryWriter(str(self.run_dir / "logs"), purge_step=purge_step)
 
     # ------------------------------------------------------------------ rollout
     def collect(self) -> tuple[RolloutBuffer, dict]:
@@ -76,7 +92,7 @@ class Runner:
 
     def _collect(self) -> tuple[RolloutBuffer, dict]:
         rc, team = self.config.runner, self.team
-        T, E, N = rc.episode_length, rc.n_rollout_threads, team.n_agents
+        T, E, N = rc.episode_length, self.envs.n_envs, team.n_agents  # this process's envs
         buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id)
         finished_returns, finished_correct, tokens = [], [], 0
         start = time.perf_counter()
@@ -105,7 +121,7 @@ class Runner:
                 prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
                 buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask, agent=0).float().cpu()
         seconds = time.perf_counter() - start
-        self.env_steps += T * E
+        self.env_steps += T * rc.n_rollout_threads  # all processes' envs
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
         if finished_returns:
             stats["charts/episode_return"] = float(np.mean(finished_returns))
@@ -135,7 +151,7 @@ class Runner:
         ``make_env`` builds the environments to evaluate on (default: the held-out ``make_eval_env``)."""
         devices = [self.team.device] if self.team.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.config.runner.seed + 1_000_000)
+            torch.manual_seed(self.config.runner.seed + 1_000_000 + self.dist.rank)
             with self.team.frozen_adapters():
                 return self._evaluate(n_episodes, make_env or self.make_eval_env)
 
@@ -146,14 +162,16 @@ class Runner:
         for episodes ``k = 0..n-1`` (more episodes than problems revisit them with fresh samples,
         which lowers the variance of the estimate); others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
         whose last step was correct, when the env reports ``correct``) and mean team ``return``.
+        With P processes, rank r plays episodes ``k = r, r + P, ...`` and the results are summed over processes.
         """
         rc, team = self.config.runner, self.team
         probe = make_env()
         n = n_episodes or rc.eval_episodes
-        envs = [probe] + [make_env() for _ in range(min(rc.n_eval_threads, n) - 1)]
+        episodes = list(range(n))[self.dist.rank :: self.dist.world_size]
+        envs = [probe] + [make_env() for _ in range(min(rc.n_eval_threads, len(episodes)) - 1)]
         returns, correct = [], []
-        for first in range(0, n, len(envs)):
-            batch = list(range(first, min(first + len(envs), n)))
+        for first in range(0, len(episodes), len(envs)):
+            batch = episodes[first : first + len(envs)]
             obs, infos = zip(*[
                 env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k % env.num_problems} if hasattr(env, "num_problems") else None)
                 for env, k in zip(envs, batch)
@@ -176,12 +194,19 @@ class Runner:
                 live = still_live
             returns.extend(ep_return.tolist())
             correct.extend(last_correct.tolist())
+        if self.dist.enabled:
+            total_correct, total_return, count = self.dist.sum_floats([sum(correct), sum(returns), len(returns)])
+            return {"accuracy": total_correct / count, "return": total_return / count, "episodes": int(count)}
         return {"accuracy": float(np.mean(correct)), "return": float(np.mean(returns)), "episodes": len(returns)}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
         """Checkpoint after ``iteration`` iterations: weights, optimizers, trainer state, RNG, env states
-        and the running episode returns (the data position). Non-finite weights stop training instead."""
+        and the running episode returns (the data position). Non-finite weights stop training instead.
+
+        With P processes, rank 0 writes one checkpoint holding every process's envs and running returns
+        (in rank order, as one run's ``n_rollout_threads`` envs) and every process's RNG states
+        (``rank_rng``); the weights and optimizer states are the same on all processes."""
         state = {
             "iteration": iteration,
             "env_steps": self.env_steps,
@@ -190,12 +215,25 @@ class Runner:
             "counters": dict(self.trainer.counters),
             "episode_returns": self.episode_returns.tolist(),
             "envs": self.envs.state_dict(),
+            "world_size": self.dist.world_size,
         }
-        try:
-            path = save_checkpoint(
-                self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json(), keep=self.config.runner.keep_checkpoints
-            )
-        except CheckpointError as error:
+        if self.dist.enabled:
+            shares = self.dist.gather_objects({"episode_returns": state["episode_returns"], "envs": state["envs"], "rng": rng_state()})
+            state["episode_returns"] = [r for share in shares for r in share["episode_returns"]]
+            state["envs"] = [env for share in shares for env in share["envs"]]
+            state["rank_rng"] = [share["rng"] for share in shares]
+        path, error = None, None
+        if self.dist.is_main:
+            try:
+                path = save_checkpoint(
+                    self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json(), keep=self.config.runner.keep_checkpoints
+                )
+            except CheckpointError as failure:
+                error = failure
+        if self.dist.enabled:  # every process learns where the checkpoint is, or stops alike
+            path, message = self.dist.broadcast_object((path, None if error is None else str(error)))
+            error = error or (CheckpointError(message) if message is not None else None)
+        if error is not None:
             raise TrainingStopped(f"{error}. {self._resume_hint()}") from error
         self.last_checkpoint = path
         return path
@@ -208,21 +246,33 @@ class Runner:
         problems = resume_incompatibilities(saved_config, saved_state.get("roles"), self.config, self.roles)
         if problems:
             raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
+        saved_processes = int(saved_state.get("world_size", 1))
+        if saved_processes != self.dist.world_size:
+            raise CheckpointError(
+                f"cannot resume from {path}: it was saved by a run of {saved_processes} process(es) and this run has "
+                f"{self.dist.world_size}; each process's RNG and environment states are in the checkpoint, so resume "
+                f"with {saved_processes} (e.g. torchrun --nproc_per_node {saved_processes}, or accelerate launch --num_processes {saved_processes})"
+            )
         state = load_checkpoint(path, self.team, self.trainer)
+        if self.dist.enabled:
+            set_rng_state(state["rank_rng"][self.dist.rank])
         self.start_iteration = int(state["iteration"])
         self.env_steps = int(state["env_steps"])
         self.last_checkpoint = path
         for name, (old, new) in config_changes(saved_config, self.config).items():
-            logger.info("resuming with --%s changed: %r in the checkpoint, %r now", name, old, new)
+            if self.dist.is_main:
+                logger.info("resuming with --%s changed: %r in the checkpoint, %r now", name, old, new)
         same_envs = saved_config.get("env", {}).get("env_name") == self.config.env.env_name
-        if "envs" in state and same_envs and len(state["envs"]) == self.envs.n_envs:
-            self.obs = self.envs.load_state_dict(state["envs"])
-            self.episode_returns = np.asarray(state["episode_returns"], dtype=np.float64)
+        E = self.envs.n_envs  # this process's share
+        if "envs" in state and same_envs and len(state["envs"]) == E * self.dist.world_size:
+            share = slice(self.dist.rank * E, (self.dist.rank + 1) * E)
+            self.obs = self.envs.load_state_dict(state["envs"][share])
+            self.episode_returns = np.asarray(state["episode_returns"][share], dtype=np.float64)
         else:
             logger.warning("environment states not restored (older checkpoint, or env or thread count changed): fresh episodes")
         # Later TensorBoard events replace those a crashed run logged after this checkpoint.
         self.writer.close()
-        self.writer = SummaryWriter(str(self.run_dir / "logs"), purge_step=self.start_iteration + 1)
+        self.writer = self._open_writer(purge_step=self.start_iteration + 1)
         logger.info("resumed from %s at iteration %d", path, self.start_iteration)
 
     def _resume_hint(self) -> str:
@@ -249,9 +299,9 @@ class Runner:
             self.restore(rc.load_path)
         before = self.evaluate()
         self._log_eval(before, self.start_iteration)
-        print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)", flush=True)
+        self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
         n_iterations = self.config.num_iterations
-        bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None)
+        bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         for iteration in bar:
             start = time.perf_counter()
             buffer, stats = self.collect()
@@ -263,7 +313,8 @@ class Runner:
                 stats[f"counters/{key}"] = value
             stats["counters/reward_failures"] = self.envs.failures()
             if rc.log_interval and (iteration + 1) % rc.log_interval == 0:
-                for key, value in {**stats, **_loss_tags(metrics)}.items():
+                logged = self._over_processes({**stats, **_loss_tags(metrics)})
+                for key, value in logged.items():
                     self.writer.add_scalar(key, value, iteration + 1)
             bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
             if rc.save_interval and (iteration + 1) % rc.save_interval == 0:
@@ -273,7 +324,7 @@ class Runner:
         after = self.evaluate()
         self._log_eval(after, n_iterations)
         checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
-        if n_iterations > self.start_iteration and not checkpoint.exists():
+        if n_iterations > self.start_iteration and not self.dist.broadcast_object(checkpoint.exists()):  # rank 0's view
             self.save(n_iterations)
         self.writer.close()
         summary = {
@@ -286,13 +337,51 @@ class Runner:
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint.exists() else None,
         }
-        print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)", flush=True)
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self._print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)")
+        if self.dist.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+    def _print(self, text: str) -> None:
+        if self.dist.is_main:
+            print(text, flush=True)
+
+    SUMMED_OVER_PROCESSES = ("charts/rollout_tokens_per_s", "counters/reward_failures")
+    """Logged figures that add up over processes; the others are averaged (the trainer's counters, the env steps
+    and the losses of the shared weights are the same on every process)."""
+
+    def _over_processes(self, values: dict[str, float]) -> dict[str, float]:
+        """One process: ``values`` as they are. Several: each key summed (:attr:`SUMMED_OVER_PROCESSES`) or
+        averaged over the processes that have a finite value for it (one gather of every process's dict)."""
+        if not self.dist.enabled:
+            return values
+        shares = self.dist.gather_objects({k: float(v) for k, v in values.items()})
+        out = {}
+        for key in dict.fromkeys(k for share in shares for k in share):
+            finite = [share[key] for share in shares if key in share and np.isfinite(share[key])]
+            if finite:
+                out[key] = float(np.sum(finite)) if key in self.SUMMED_OVER_PROCESSES else float(np.mean(finite))
+        return out
 
     def _log_eval(self, result: dict, step: int) -> None:
         self.writer.add_scalar("eval/accuracy", result["accuracy"], step)
         self.writer.add_scalar("eval/return", result["return"], step)
+
+
+class _NullWriter:
+    """Stands in for TensorBoard's ``SummaryWriter`` on the processes other than rank 0."""
+
+    def add_scalar(self, *args, **kwargs) -> None:
+        pass
+
+    def add_text(self, *args, **kwargs) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _loss_tags(metrics: dict[str, float]) -> dict[str, float]:

@@ -1,0 +1,178 @@
+"""What ``tests/test_distributed.py`` runs in each process of ``torchrun --standalone --nproc_per_node P`` (gloo on CPU).
+
+    dist_worker.py update MODEL_DIR OUT_DIR     one update with P processes vs one process on the union (per case)
+    dist_worker.py train OUT_DIR -- FLAGS...    ``marft.train.main(FLAGS)``; then this rank's weight hash and pid files
+
+Each rank writes ``OUT_DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+import marft.envs
+from marft.envs import StepOutcome
+from marft.envs.cooperative import RelaySumEnv
+
+
+class DenseRelaySum(RelaySumEnv):
+    """``relay_sum`` whose reward is the answerer's reply length mod 5, in quarters (a random model never solves the task)."""
+
+    def evaluate(self, state, actions):
+        reward = (len(actions[self.answer_index]) % 5) / 4
+        return StepOutcome(rewards=(reward,) * self.n_agents, solved=False, feedback="Again.", info={"correct": False})
+
+
+def trainable(team) -> dict[str, torch.Tensor]:
+    """Every adapter's LoRA weights and the value head, by name (detached copies)."""
+    out = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" in n}
+    out.update({f"value_head.{n}": p.detach().clone() for n, p in team.value_head.named_parameters()})
+    return out
+
+
+def weights_hash(team) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(trainable(team).items()):
+        digest.update(name.encode())
+        digest.update(tensor.float().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def env_share(buffer, rank: int, world_size: int):
+    """The buffer of envs ``[rank * E/P, (rank + 1) * E/P)``: every field has the env axis at dim 1."""
+    share = copy.copy(buffer)
+    E = buffer.shape[1]
+    size = E // world_size
+    for name, value in vars(buffer).items():
+        if isinstance(value, torch.Tensor):
+            setattr(share, name, value[:, rank * size : (rank + 1) * size].clone())
+    share.shape = (buffer.shape[0], size, buffer.shape[2])
+    return share
+
+
+CASES = [("APPO", False), ("APPO", True), ("TPPO", False), ("TPPO", True)]
+
+
+def update_cases(model_dir: str, out_dir: Path, dist) -> dict:
+    """Per case and optimizer: the largest difference between the P-process update on env shares and the
+    one-process update on the whole batch, how far the weights moved, and this rank's weight hash after the
+    P-process update.
+
+    ``sgd`` (lr 1) keeps the weights a linear function of the clipped gradients, so it checks the reduction, the
+    global loss units and the global clipping norm to float32 precision; ``adamw`` is the trainer's own optimizer,
+    whose ``m / (sqrt(v) + eps)`` magnifies float32 summation-order noise of gradients near zero (up to lr)."""
+    from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
+    from marft.distributed import SINGLE
+    from marft.train import build_runner
+
+    results = {}
+    for algorithm, shared in CASES:
+        name = f"{algorithm}_{'shared' if shared else 'per_agent'}"
+        config = TrainConfig(
+            model=ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=128, shared_lora=shared),
+            env=EnvConfig(env_name="dense_relay_sum", horizon=2),
+            # two epochs, one minibatch in two chunks (units weighted over both processes), clipping active
+            algo=AlgoConfig(algorithm_name=algorithm, ppo_epoch=2, num_mini_batch=1, gradient_cp_steps=2, max_grad_norm=0.05, target_kl=1e9),
+            runner=RunnerConfig(n_rollout_threads=4, episode_length=2, num_env_steps=8, output_dir=str(out_dir / f"run_{name}_{dist.rank}")),
+        )
+        os.environ["WORLD_SIZE"] = "1"  # build a one-process runner in every process: the same batch everywhere
+        runner = build_runner(config)
+        os.environ["WORLD_SIZE"] = str(dist.world_size)
+        trainer, team = runner.trainer, runner.team
+        buffer, _ = runner.collect()
+        trainer.compute_advantages(buffer)
+        start = trainable(team)
+        for optimizer, lr in (("sgd", 1.0), ("adamw", 1e-3)):
+            kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+            trainer.config.lr = trainer.config.critic_lr = lr  # load_state_dict sets the config's learning rates
+            trainer.policy_optimizers = {a: kind(team.adapter_parameters(a), lr=lr) for a in team.policy_adapters}
+            trainer.critic_optimizer = kind(team.critic_parameters(), lr=lr)
+            optimizers = copy.deepcopy(trainer.state_dict())
+            trainer.dist = SINGLE  # the reference: one process, the whole batch
+            torch.manual_seed(1)
+            trainer.update(buffer, 0)
+            reference = trainable(team)
+            restore(team, start)
+            trainer.load_state_dict(optimizers)
+            trainer.dist = dist  # P processes, each on its share of the envs
+            torch.manual_seed(1)
+            trainer.update(env_share(buffer, dist.rank, dist.world_size), 0)
+            got = trainable(team)
+            results[f"{name}/{optimizer}"] = {
+                "max_diff": max(float((got[k] - reference[k]).abs().max()) for k in reference),
+                "moved": max(float((reference[k] - start[k]).abs().max()) for k in reference),
+                "hash": weights_hash(team),
+            }
+            if (algorithm, shared, optimizer) == (*CASES[0], "adamw"):
+                results["nan_on_one_rank"] = nan_on_one_rank(trainer, team, buffer, dist)
+            restore(team, start)
+    return results
+
+
+def restore(team, weights: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for n, p in team.model.named_parameters():
+            if n in weights:
+                p.copy_(weights[n])
+        for n, p in team.value_head.named_parameters():
+            p.copy_(weights[f"value_head.{n}"])
+
+
+def nan_on_one_rank(trainer, team, buffer, dist) -> dict:
+    """Rank 1's first policy loss is NaN: every rank must skip that step, so the weights stay identical."""
+    policy_loss, calls = trainer.policy_loss, [0]
+
+    def poisoned(adapter, mb):
+        loss, entropy, stats = policy_loss(adapter, mb)
+        calls[0] += 1
+        return (loss * float("nan") if dist.rank == 1 and calls[0] == 1 else loss), entropy, stats
+
+    trainer.policy_loss = poisoned
+    skipped = trainer.counters["skipped_minibatches"]
+    trainer.update(env_share(buffer, dist.rank, dist.world_size), 1)
+    trainer.policy_loss = policy_loss
+    return {"skipped": trainer.counters["skipped_minibatches"] - skipped, "hash": weights_hash(team)}
+
+
+def train(out_dir: Path, argv: list[str], rank: int) -> dict:
+    """``marft.train.main(argv)``, keeping the runner to hash this rank's final weights."""
+    import marft.train
+
+    (out_dir / f"pid{rank}").write_text(str(os.getpid()))
+    runners = []
+    build = marft.train.build_runner
+
+    def keep(*args, **kwargs):
+        runners.append(build(*args, **kwargs))
+        return runners[-1]
+
+    marft.train.build_runner = keep
+    code = marft.train.main(argv)
+    return {"code": code, "hash": weights_hash(runners[0].team) if runners else None}
+
+
+def main() -> int:
+    torch.set_num_threads(1)
+    marft.envs.register("dense_relay_sum", DenseRelaySum)
+    mode, rank = sys.argv[1], int(os.environ.get("RANK", "0"))
+    if mode == "update":
+        from marft.distributed import init_distributed
+
+        out_dir = Path(sys.argv[3])
+        result = update_cases(sys.argv[2], out_dir, init_distributed("cpu", 120))
+    else:
+        out_dir = Path(sys.argv[2])
+        result = train(out_dir, sys.argv[sys.argv.index("--") + 1 :], rank)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    return 0 if result.get("code", 0) == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
