@@ -2,11 +2,14 @@
 
 import os
 
+import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from marft.models.tiny import TinyRecipe, build_random_model, ensure_tiny_model
+from marft.models.tiny import TinyModelBuildError, TinyRecipe, build_random_model, ensure_tiny_model
 
 QUICK = TinyRecipe(vocab_size=400, hidden_size=32, num_layers=1, num_heads=2, sft_steps=2, sft_batch_size=4)
+SENSITIVE = TinyRecipe(**{**QUICK.__dict__, "sft_steps": 30, "sft_batch_size": 8})  # enough steps for last bits to show
 
 
 def test_random_model_loads_and_tokenizer_round_trips(random_model_dir):
@@ -37,12 +40,33 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path):
 
 
 def test_tiny_model_is_deterministic(tmp_path):
-    import torch
     from safetensors.torch import load_file
 
     a = load_file(os.path.join(ensure_tiny_model(str(tmp_path / "a"), recipe=QUICK), "model.safetensors"))
     b = load_file(os.path.join(ensure_tiny_model(str(tmp_path / "b"), recipe=QUICK), "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_build_does_not_depend_on_the_parents_threads_or_kernels(tmp_path, monkeypatch):
+    """The build's child pins its own numerics: parents with different threads, ATen kernels and MKL
+    code paths build the same weights. (The child inheriting these settings builds different weights:
+    baseline and AVX2 kernels round differently, and a few dozen steps make that visible.)"""
+    from safetensors.torch import load_file
+
+    def weights(folder, **parent_env):
+        for name, value in parent_env.items():
+            monkeypatch.setenv(name, value)
+        return load_file(os.path.join(ensure_tiny_model(str(tmp_path / folder), recipe=SENSITIVE), "model.safetensors"))
+
+    a = weights("a", OMP_NUM_THREADS="1", ATEN_CPU_CAPABILITY="default", MKL_CBWR="AUTO")
+    b = weights("b", OMP_NUM_THREADS="2", ATEN_CPU_CAPABILITY="avx2", MKL_CBWR="AVX2")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_build_says_why_and_leaves_nothing(tmp_path):
+    with pytest.raises(TinyModelBuildError, match="max\\(\\) .*empty"):  # the child's own error, in the parent
+        ensure_tiny_model(str(tmp_path), recipe=TinyRecipe(**{**QUICK.__dict__, "sft_batch_size": 0}))
+    assert not [p for p in os.listdir(tmp_path) if not p.endswith(".lock")]
 
 
 def test_random_model_vocab_texts_and_heads(tmp_path):

@@ -11,12 +11,27 @@ miscopies), so the sampled team is right only part of the time and RL has signal
 improve on. The result is cached under ``$MARFT_CACHE`` (default
 ``~/.cache/marft``) in a folder named after a hash of the recipe, written atomically.
 
+The build runs in a child process whose numerics are pinned before torch loads, so a
+fresh build gives the same weights on any x86-64 machine, whatever the parent's threads
+and environment (``PINNED_ENV``): MKL's Conditional Numerical Reproducibility
+(``MKL_CBWR=COMPATIBLE``: the same code path on Intel and AMD processors, whatever
+AVX2/AVX-512 they have), ATen's baseline kernels (``ATEN_CPU_CAPABILITY=default``:
+not the AVX2/AVX-512 ones picked per CPU, whose reductions and exp/log round
+differently), one thread everywhere, ``torch.use_deterministic_algorithms(True)``.
+Unpinned, the ~1500 warm-start steps turn last-bit differences into a different model,
+and the same training run starts from a different team. Still varying: the versions of
+torch, transformers and tokenizers (a different version may build different weights;
+``marft_recipe.json`` in the model folder records them), and CPUs that are not x86-64
+(no MKL). The RL training itself runs with the machine's own kernels and threads, so
+its figures vary a little from machine to machine (the README says by how much).
+
 ``build_random_model`` saves an untrained model of any size in a second, for tests
 and benchmarks.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import fcntl
 import functools
@@ -24,7 +39,10 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +59,20 @@ CORPUS_PROFILES = tuple(f"{name}{twin}" for name in ("planner_solver", "planner_
                                                       "reasoner_actor") for twin in ("", "_anonymous"))
 """The shipped profiles whose text trains the tokenizer: a fixed list, so shipping a new profile does not change the
 embedded model (its cache hash covers the recipe, not the corpus)."""
+
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+"""The folder holding the ``marft`` package that this module is part of (put first on the child's path)."""
+
+PINNED_ENV = {
+    "MKL_CBWR": "COMPATIBLE",  # MKL: one code path on every x86-64 CPU (Intel or AMD, any AVX level)
+    "ATEN_CPU_CAPABILITY": "default",  # ATen: baseline kernels, not the AVX2/AVX-512 ones chosen per CPU
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "RAYON_NUM_THREADS": "1",  # the tokenizers BPE trainer (gave the same files multi-threaded too)
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONHASHSEED": "0",
+}
+"""Environment of the build's child process: set before torch loads, whatever the parent has."""
 
 
 @dataclass(frozen=True)
@@ -63,15 +95,15 @@ class TinyRecipe:
     """Warm-start learning rate (AdamW, cosine decay)."""
     reasoner_correct: float = 0.55
     """Share of warm-start Reasoner replies with the right result (others are off by 1-3)."""
-    actor_copies: float = 0.85
+    actor_copies: float = 0.6
     """Share of warm-start Actor replies that box the Reasoner's result (others are off by 1)."""
     keeper_tells: float = 0.15
     """Share of warm-start ``relay_sum`` Reasoner replies that use the hidden key; the others use a
     random digit instead (right one time in ten by chance)."""
     seed: int = 0
     """Seed of the tokenizer corpus, the initial weights and the warm-start data."""
-    version: int = 1
-    """Bump to force a rebuild when the code below changes."""
+    version: int = 2
+    """Bump to force a rebuild when the code below changes (2: built in a child with pinned numerics)."""
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
@@ -228,6 +260,19 @@ def _sft_examples(enc, eos_id: int, recipe: TinyRecipe, rng) -> list[tuple[list[
     return examples
 
 
+def _reply_loss(model, ids, mask, labels):
+    """Mean next-token cross-entropy over the reply tokens (``labels != -100``), with the LM head run
+    only where a reply token is predicted: most positions are prompt, and the head is a third of the model.
+
+    ``ids``, ``mask``, ``labels``: ``(B, T)``.
+    """
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, C)
+    targets = labels[:, 1:]  # (B, T-1): the token each position predicts
+    scored = targets != -100  # (B, T-1)
+    logits = model.lm_head(hidden[:, :-1][scored])  # (N, V), N reply tokens in the batch
+    return torch.nn.functional.cross_entropy(logits, targets[scored])
+
+
 def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
     """Supervised pass on fresh noisy transcripts each epoch; loss on reply tokens only. Returns the last loss."""
     rng = np.random.default_rng(recipe.seed)
@@ -251,7 +296,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
             ids[i, :n] = torch.tensor(prompt + reply)
             labels[i, len(prompt) : n] = torch.tensor(reply)
             mask[i, :n] = 1
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss = _reply_loss(model, ids, mask, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -264,26 +309,78 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
     return loss_value
 
 
-def build_tiny_model(path: str, recipe: TinyRecipe = TinyRecipe()) -> str:
-    """Train the tokenizer, initialise the model and warm-start it; save to ``path``.
+class TinyModelBuildError(RuntimeError):
+    """The child process that builds the embedded model failed."""
 
-    Runs on one CPU thread: the same weights on every machine, and no slower for a model this small
-    (several threads on a busy machine are much slower)."""
+
+_CHILD_LOG_PREFIX = "marft-tiny build: "
+
+
+def build_tiny_model(path: str, recipe: TinyRecipe = TinyRecipe()) -> str:
+    """Build the embedded model into ``path`` in a child process with pinned numerics (``PINNED_ENV``,
+    one thread, deterministic algorithms): the same weights on every x86-64 machine. Returns ``path``.
+
+    The child's log lines are relayed to this process's log.
+
+    Raises:
+        TinyModelBuildError: the child failed; the message ends with the last lines it printed.
+    """
+    env = {**os.environ, **PINNED_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    entry = "import sys; from marft.models.tiny import _build_in_this_process_main; _build_in_this_process_main(sys.argv[1:])"
+    command = [sys.executable, "-c", entry, path, json.dumps(dataclasses.asdict(recipe))]
+    tail: collections.deque = collections.deque(maxlen=25)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in child.stdout:
+            tail.append(line.rstrip("\n"))
+            if line.startswith(_CHILD_LOG_PREFIX):
+                logger.info("%s", line[len(_CHILD_LOG_PREFIX) :].rstrip())
+        exit_code = child.wait()
+    finally:
+        if child.poll() is None:  # interrupted: do not leave a build running
+            child.kill()
+            child.wait()
+    if exit_code != 0:
+        raise TinyModelBuildError(
+            f"building the embedded tiny model failed (child exit code {exit_code}); its last lines:\n" + "\n".join(tail)
+        )
+    return path
+
+
+def _build_in_this_process_main(argv: list[str]) -> None:
+    """The child's entry point: ``argv = [path, recipe as JSON]``; pins torch, then builds."""
+    logging.basicConfig(level=logging.INFO, format=_CHILD_LOG_PREFIX + "%(message)s", stream=sys.stdout)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    path, recipe = argv[0], TinyRecipe(**json.loads(argv[1]))
+    _build_in_this_process(path, recipe)
+
+
+def _build_in_this_process(path: str, recipe: TinyRecipe) -> str:
+    """Train the tokenizer, initialise the model and warm-start it; save to ``path`` with
+    ``marft_recipe.json`` (the recipe, the last warm-start loss and what the numerics ran on).
+
+    Bit-for-bit reproducible only under the pinning of :func:`build_tiny_model`, which runs this."""
+    import tokenizers
+    import transformers
     from transformers import Qwen2ForCausalLM
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(recipe.seed)
-        tokenizer = train_tokenizer(_corpus_texts(recipe.seed), recipe.vocab_size)
-        model = Qwen2ForCausalLM(_qwen2_config(tokenizer, recipe.hidden_size, recipe.num_layers, recipe.num_heads))
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        loss = _warm_start(model, tokenizer, recipe)
-    finally:
-        torch.set_num_threads(threads)
+    torch.manual_seed(recipe.seed)
+    tokenizer = train_tokenizer(_corpus_texts(recipe.seed), recipe.vocab_size)
+    model = Qwen2ForCausalLM(_qwen2_config(tokenizer, recipe.hidden_size, recipe.num_layers, recipe.num_heads))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    loss = _warm_start(model, tokenizer, recipe)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    Path(path, "marft_recipe.json").write_text(json.dumps({**dataclasses.asdict(recipe), "final_sft_loss": loss}, indent=2))
+    numerics = {
+        "torch": torch.__version__, "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+        "machine": platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(), **{name: os.environ.get(name) for name in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")},
+    }
+    Path(path, "marft_recipe.json").write_text(
+        json.dumps({**dataclasses.asdict(recipe), "final_sft_loss": loss, "built_with": numerics}, indent=2)
+    )
     return path
 
 
@@ -306,7 +403,11 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
         shutil.rmtree(tmp, ignore_errors=True)
         start = time.perf_counter()
         logger.info("building the embedded tiny model into %s (once; cached afterwards)", final)
-        build_tiny_model(str(tmp), recipe)
+        try:
+            build_tiny_model(str(tmp), recipe)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
