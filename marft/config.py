@@ -171,7 +171,7 @@ class RunnerConfig:
     """Parallel environments per rollout."""
     episode_length: int = 2
     """Team steps collected from every environment per training iteration."""
-    num_env_steps: int = 4096
+    num_env_steps: int = 8192
     """Total environment steps (threads x steps) to train for."""
     seed: int = 0
     """Seed of torch, numpy, python and the environments."""

@@ -1,7 +1,7 @@
 """What ``tests/test_distributed.py`` runs in each process of ``torchrun --standalone --nproc_per_node P`` (gloo on CPU).
 
     dist_worker.py update MODEL_DIR OUT_DIR     one update with P processes vs one process on the union (per case)
-    dist_worker.py train OUT_DIR -- FLAGS...    ``marft.train.main(FLAGS)``; then this rank's weight hash and pid files
+    dist_worker.py train OUT_DIR -- FLAGS...    ``marft.launch.main(FLAGS)``; then this rank's weight hash and pid files
 
 Each rank writes ``OUT_DIR/rank<r>.json``.
 """
@@ -70,7 +70,7 @@ def update_cases(model_dir: str, out_dir: Path, dist) -> dict:
     whose ``m / (sqrt(v) + eps)`` magnifies float32 summation-order noise of gradients near zero (up to lr)."""
     from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
     from marft.distributed import SINGLE
-    from marft.train import build_runner
+    from marft.launch import build_runner
 
     results = {}
     for algorithm, shared in CASES:
@@ -142,19 +142,19 @@ def nan_on_one_rank(trainer, team, buffer, dist) -> dict:
 
 
 def train(out_dir: Path, argv: list[str], rank: int) -> dict:
-    """``marft.train.main(argv)``, keeping the runner to hash this rank's final weights."""
-    import marft.train
+    """``marft.launch.main(argv)``, keeping the runner to hash this rank's final weights."""
+    import marft.launch
 
     (out_dir / f"pid{rank}").write_text(str(os.getpid()))
     runners = []
-    build = marft.train.build_runner
+    build = marft.launch.build_runner
 
     def keep(*args, **kwargs):
         runners.append(build(*args, **kwargs))
         return runners[-1]
 
-    marft.train.build_runner = keep
-    code = marft.train.main(argv)
+    marft.launch.build_runner = keep
+    code = marft.launch.main(argv)
     return {"code": code, "hash": weights_hash(runners[0].team) if runners else None}
 
 

@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import marft.envs
 from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
-from marft.train import main
+from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"
@@ -189,7 +189,7 @@ def find_checkpoint_or_none(run: Path, at_least: int):
 
 
 # ---------------------------------------------------------------------- it learns with 2 processes
-ITERATIONS, N_ENVS, EPISODE_LENGTH, WINDOW, MARGIN = 32, 16, 2, 8, 0.3
+ITERATIONS, N_ENVS, EPISODE_LENGTH, WINDOW, MARGIN = 48, 16, 2, 8, 0.3
 """As ``tests/test_learning.py`` (one process): the same total envs and iterations, split over 2 processes."""
 
 
@@ -217,7 +217,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(rand
     """``--gradient_checkpointing``: the decoder layers are checkpointed in the update only (not in the rollout), and
     the update is the one without it."""
     from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
-    from marft.train import build_runner
+    from marft.launch import build_runner
 
     results, calls = {}, []
     for checkpointing in (False, True):

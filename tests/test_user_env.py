@@ -148,3 +148,51 @@ def test_equal_rewards_leave_the_policy_where_it_was(random_model_dir, tmp_path,
     assert any(torch.count_nonzero(w) > 0 for name, w in critic.items() if "lora_B" in name)
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["counters"]["constant_reward_batches"] == 6
+
+
+# ---------------------------------------------------------------------- supervised warm start
+def test_transcript_turns_are_prompted_exactly_as_the_team_prompts_them(random_model_dir, tmp_path):
+    """Each agent turn of a transcript becomes (the team's own prompt at that moment, reply + EOS): private
+    observations, earlier replies of the step and judge lines included; malformed lines are skipped and counted."""
+    from test_team import make_team
+
+    from marft.sft import load_transcripts, turn_examples
+
+    team = make_team(random_model_dir, context_window=256)
+    good = {"problem": "What is x + 50?", "private": {"Reasoner": "x = 7"},
+            "turns": [{"role": "Reasoner", "text": "7 + 50 = 57"}, {"role": "Actor", "text": "\\boxed{56}"},
+                      {"role": "Judge", "text": "Try again."},
+                      {"role": "Reasoner", "text": "x is 7"}, {"role": "Actor", "text": "\\boxed{57}"}]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps({"problem": "p", "turns": []}) + "\n")
+    transcripts, skipped = load_transcripts(path)
+    assert len(transcripts) == 1 and skipped == 2
+    examples = turn_examples(team, transcripts)
+    assert [e.agent for e in examples] == [0, 1, 0, 1]
+    step2 = "Problem: What is x + 50?\nReasoner: 7 + 50 = 57\nActor: \\boxed{56}\nJudge: Try again.\n"
+    ids, mask = team.encode_prompts(1, [step2], [[("Reasoner", "x is 7")]], [""])
+    assert examples[3].prompt_ids == ids[0][mask[0].bool()].tolist()
+    ids, mask = team.encode_prompts(0, [step2], [[]], ["x = 7"])
+    assert examples[2].prompt_ids == ids[0][mask[0].bool()].tolist()
+    assert examples[3].reply_ids == team.tokenizer(" \\boxed{57}", add_special_tokens=False).input_ids + [team.eos_id]
+    with pytest.raises(ValueError, match="Planner"):
+        turn_examples(team, [{"problem": "p", "turns": [{"role": "Planner", "text": "x"}]}])
+
+
+def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(random_model_dir):
+    from test_team import make_team
+
+    from marft.sft import SFTConfig, TurnExample, reply_nll, warm_start
+
+    team = make_team(random_model_dir, context_window=256)
+    before = {n: p.detach().clone() for n, p in team.model.named_parameters()}
+    examples = [TurnExample(a, team.encode_prompts(a, ["Problem: What is 3 + 4?\n"], [[]])[0][0].tolist(),
+                            team.tokenizer(" \\boxed{7}", add_special_tokens=False).input_ids + [team.eos_id]) for a in (0, 1)]
+    with torch.no_grad():
+        start = [float(reply_nll(team, team.agent_adapters[e.agent], [e])) for e in examples]
+    losses = warm_start(team, examples, SFTConfig(sft_steps=20, sft_batch_size=4, sft_lr=1e-2))
+    with torch.no_grad():
+        end = [float(reply_nll(team, team.agent_adapters[e.agent], [e])) for e in examples]
+    assert all(b < a / 2 for a, b in zip(start, end)) and losses[-1] < losses[0]
+    moved = {n.split("lora_")[1].split(".")[1] if "lora_" in n else "base" for n, p in team.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {"reasoner", "actor"}
