@@ -158,7 +158,7 @@ def test_transcript_turns_are_prompted_exactly_as_the_team_prompts_them(random_m
 
     from marft.sft import load_transcripts, turn_examples
 
-    team = make_team(random_model_dir, context_window=256)
+    team = make_team(random_model_dir, context_window=256, max_new_tokens=16)
     good = {"problem": "What is x + 50?", "private": {"Reasoner": "x = 7"},
             "turns": [{"role": "Reasoner", "text": "7 + 50 = 57"}, {"role": "Actor", "text": "\\boxed{56}"},
                       {"role": "Judge", "text": "Try again."},
@@ -184,15 +184,17 @@ def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(ran
 
     from marft.sft import SFTConfig, TurnExample, reply_nll, warm_start
 
-    team = make_team(random_model_dir, context_window=256)
+    torch.manual_seed(0)
+
+    team = make_team(random_model_dir, context_window=256, max_new_tokens=16)
     before = {n: p.detach().clone() for n, p in team.model.named_parameters()}
     examples = [TurnExample(a, team.encode_prompts(a, ["Problem: What is 3 + 4?\n"], [[]])[0][0].tolist(),
                             team.tokenizer(" \\boxed{7}", add_special_tokens=False).input_ids + [team.eos_id]) for a in (0, 1)]
     with torch.no_grad():
         start = [float(reply_nll(team, team.agent_adapters[e.agent], [e])) for e in examples]
-    losses = warm_start(team, examples, SFTConfig(sft_steps=20, sft_batch_size=4, sft_lr=1e-2))
+    losses = warm_start(team, examples, SFTConfig(sft_steps=40, sft_batch_size=4, sft_lr=1e-2))
     with torch.no_grad():
         end = [float(reply_nll(team, team.agent_adapters[e.agent], [e])) for e in examples]
-    assert all(b < a / 2 for a, b in zip(start, end)) and losses[-1] < losses[0]
+    assert all(b < a - 0.8 for a, b in zip(start, end)) and losses[-1] < losses[0], (start, end)  # nats per token (a random model plateaus near 5.2)
     moved = {n.split("lora_")[1].split(".")[1] if "lora_" in n else "base" for n, p in team.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved == {"reasoner", "actor"}
