@@ -42,7 +42,7 @@ def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_reg
     """Every ```python block of the README, in order, in one namespace (as a reader would paste them)."""
     monkeypatch.chdir(tmp_path)  # the API example writes its run directory under results/
     blocks = readme_python_blocks()
-    assert len(blocks) >= 3 and any("class AgreeNumberEnv" in b for b in blocks)
+    assert len(blocks) >= 3 and any("class AgreeDigitEnv" in b for b in blocks)
     namespace: dict = {"__name__": "readme"}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
@@ -56,7 +56,7 @@ def user_package(tmp_path, monkeypatch):
     package = tmp_path / "userland" / "my_envs"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
-    (package / "agree.py").write_text(next(b for b in readme_python_blocks() if "class AgreeNumberEnv" in b))
+    (package / "agree.py").write_text(next(b for b in readme_python_blocks() if "class AgreeDigitEnv" in b))
     monkeypatch.syspath_prepend(str(package.parent))
     yield package.parent
     for name in [m for m in sys.modules if m.startswith("my_envs")]:
@@ -65,7 +65,7 @@ def user_package(tmp_path, monkeypatch):
 
 def test_env_name_takes_an_import_path(random_model_dir, tmp_path, user_package):
     run = tmp_path / "run"
-    assert main(small_run(random_model_dir, run, "--env_name", "my_envs.agree:AgreeNumberEnv")) == 0
+    assert main(small_run(random_model_dir, run, "--env_name", "my_envs.agree:AgreeDigitEnv")) == 0
     assert json.loads((run / "summary.json").read_text())["iterations"] == 2
 
 
@@ -74,9 +74,9 @@ def test_env_name_finds_an_installed_packages_entry_point(tmp_path, user_package
     dist = user_package / "my_envs-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-envs\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[marft.envs]\nagree_number = my_envs.agree:AgreeNumberEnv\n")
-    env = marft.envs.make("agree_number", split="test")
-    assert type(env).__name__ == "AgreeNumberEnv" and env.roles == ("Agent 1", "Agent 2")
+    (dist / "entry_points.txt").write_text("[marft.envs]\nagree_digit = my_envs.agree:AgreeDigitEnv\n")
+    env = marft.envs.make("agree_digit", split="test")
+    assert type(env).__name__ == "AgreeDigitEnv" and env.roles == ("Agent 1", "Agent 2")
 
 
 def fail_on_model_load(monkeypatch):
@@ -198,3 +198,19 @@ def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(ran
     assert all(b < a - 0.8 for a, b in zip(start, end)) and losses[-1] < losses[0], (start, end)  # nats per token (a random model plateaus near 5.2)
     moved = {n.split("lora_")[1].split(".")[1] if "lora_" in n else "base" for n, p in team.model.named_parameters() if not torch.equal(p, before[n])}
     assert moved == {"reasoner", "actor"}
+
+
+def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_path, user_package):
+    """The README's walkthrough, shortened: the embedded model never writes ``{d}``; the warm start on the env's
+    demonstrations teaches the format (agreement at chance), RL then finds a convention on held-out rounds."""
+    from marft.sft import main as sft_main
+
+    common = ["--env_name", "my_envs.agree:AgreeDigitEnv", "--profile_path", "reasoner_actor_anonymous",
+              "--n_rollout_threads", "32", "--episode_length", "1", "--eval_episodes", "100"]
+    sft, rl = tmp_path / "sft", tmp_path / "rl"
+    assert sft_main([*common, "--sft_steps", "120", "--output_dir", str(sft)]) == 0
+    warm = json.loads((sft / "sft_summary.json").read_text())
+    assert warm["last_loss"] < warm["first_loss"] / 4
+    assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", str(32 * 60), "--output_dir", str(rl)]) == 0
+    summary = json.loads((rl / "summary.json").read_text())
+    assert summary["accuracy_before"] <= 0.3 and summary["accuracy_after"] >= 0.7, summary
