@@ -12,7 +12,7 @@ import pytest
 
 from marft.envs.code import SandboxLimits, run_tests
 from marft.envs.code.compare import outputs_match, parse_literal, values_equal
-from marft.envs.code.sandbox import MAX_SLOTS, SLOT_UID_BASE, Isolation, sandbox_python
+from marft.envs.code.sandbox import MAX_SLOTS, SLOT_UID_BASE, Isolation, is_dead, process_statuses, sandbox_python
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (uid drop, namespaces) needs root")
@@ -25,19 +25,8 @@ ADD_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)\n"
 
 def sandbox_processes() -> list[str]:
     """Live processes running as any sandbox uid (zombies excluded), as ``pid:name``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        uid = int(fields["Uid"].split()[0])
-        if SLOT_UID_BASE <= uid < SLOT_UID_BASE + MAX_SLOTS and not fields["State"].strip().startswith(("Z", "X")):
-            found.append(f"{entry}:{fields['Name'].strip()}")
-    return found
+    return [f"{pid}:{fields['Name']}" for pid, fields in process_statuses()
+            if SLOT_UID_BASE <= int(fields["Uid"].split()[0]) < SLOT_UID_BASE + MAX_SLOTS and not is_dead(fields)]
 
 
 def files_owned_by_sandbox(*folders: str) -> list[str]:

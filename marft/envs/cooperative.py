@@ -39,7 +39,7 @@ import numpy as np
 
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.math.grader import last_boxed
-from marft.envs.profile import AgentSpec, answer_agent_index, load_profile
+from marft.envs.profile import AgentSpec, answer_agent_index, team_profile
 
 FEEDBACK = "The answer is incorrect. Please try again."
 
@@ -109,9 +109,7 @@ class RelaySumEnv(MultiAgentTextEnv):
         n_tens: int = 9,
         test_fraction: float = 0.2,
     ):
-        self.profile = list(profile) if isinstance(profile, list) else load_profile(profile, n_agents=n_agents)
-        if n_agents is not None and len(self.profile) != n_agents:
-            raise ValueError(f"profile has {len(self.profile)} agents but --n_agents is {n_agents}")
+        self.profile = team_profile(profile, n_agents)
         super().__init__([spec.role for spec in self.profile], horizon=horizon)
         self.answer_index: int = answer_agent_index(self.profile)
         if self.answer_index == 0:

@@ -133,3 +133,16 @@ def load_profile(path_or_name: str | Path | None = None, n_agents: int | None = 
 def answer_agent_index(profile: list[AgentSpec]) -> int:
     """Index of the agent whose reply is graded: the last one with ``with_answer``."""
     return max(i for i, spec in enumerate(profile) if spec.with_answer)
+
+
+def team_profile(profile, n_agents: int | None = None) -> list[AgentSpec]:
+    """The team an environment is built for: ``profile`` as a list of ``AgentSpec`` (kept), a file path or a
+    shipped name (loaded; None picks the default profile for ``n_agents``).
+
+    Raises:
+        ValueError: the team size differs from ``n_agents``.
+    """
+    team = list(profile) if isinstance(profile, list) else load_profile(profile, n_agents=n_agents)
+    if n_agents is not None and len(team) != n_agents:
+        raise ValueError(f"profile has {len(team)} agents but --n_agents is {n_agents}")
+    return team

@@ -28,7 +28,7 @@ from marft.envs.code.grading import run_tests, submit_tests
 from marft.envs.code.problem import CodeProblem, last_python_block
 from marft.envs.code.report import TestReport
 from marft.envs.code.sandbox import SandboxLimits
-from marft.envs.profile import AgentSpec, answer_agent_index, load_profile
+from marft.envs.profile import AgentSpec, answer_agent_index, team_profile
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +89,7 @@ class CodeEnv(MultiAgentTextEnv):
         limits: SandboxLimits | None = None,
         **generator_kwargs,
     ):
-        self.profile = list(profile) if isinstance(profile, list) else load_profile(profile, n_agents=n_agents)
-        if n_agents is not None and len(self.profile) != n_agents:
-            raise ValueError(f"profile has {len(self.profile)} agents but --n_agents is {n_agents}")
+        self.profile = team_profile(profile, n_agents)
         super().__init__([spec.role for spec in self.profile], horizon=horizon)
         self.answer_index: int = answer_agent_index(self.profile)
         if problems is not None:

@@ -221,9 +221,8 @@ def wait_until_gone(uid: int, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
-    """Processes whose real uid is ``uid``, read from ``/proc`` (zombies only when asked)."""
-    found = []
+def process_statuses():
+    """``(pid, {field: value})`` of every process in ``/proc/<pid>/status`` (processes that vanish are skipped)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -231,11 +230,18 @@ def processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
             status = Path(f"/proc/{entry}/status").read_text()
         except OSError:
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        dead = fields.get("State", "").strip().startswith(("Z", "X"))
-        if int(fields.get("Uid", "-1 0").split()[0]) == uid and (zombies or not dead):
-            found.append(int(entry))
-    return found
+        yield int(entry), {k: v.strip() for k, v in (line.split(":", 1) for line in status.splitlines() if ":" in line)}
+
+
+def is_dead(fields: dict) -> bool:
+    """A zombie or dead process (its ``State`` is Z or X)."""
+    return fields.get("State", "").startswith(("Z", "X"))
+
+
+def processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
+    """Processes whose real uid is ``uid``, read from ``/proc`` (zombies only when asked)."""
+    return [pid for pid, fields in process_statuses()
+            if int(fields.get("Uid", "-1 0").split()[0]) == uid and (zombies or not is_dead(fields))]
 
 
 @dataclass
