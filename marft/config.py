@@ -104,7 +104,13 @@ class AlgoConfig:
     """Multi-agent PPO hyperparameters."""
 
     algorithm_name: str = "APPO"
-    """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one."""
+    """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one; GRPO: critic-free, group-relative (no critic at all)."""
+    group_size: int = 4
+    """GRPO: complete team episodes of the same task per group (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
+    grpo_scale_rewards: bool = True
+    """GRPO: divide each group's centred returns by the group's standard deviation (false: centre only)."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (the base model, adapters off): the k3 estimator per reply token, added to the policy loss (0: none, no reference forward)."""
     lr: float = 1e-3
     """Learning rate of the agents' adapters."""
     critic_lr: float = 1e-3
@@ -153,7 +159,9 @@ class AlgoConfig:
     def __post_init__(self):
         check_choice("algorithm_name", self.algorithm_name)
         check_choice("normalization_mode", self.normalization_mode)
-        for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps"):
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl_coef must be >= 0, got {self.kl_coef}")
+        for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         for name in ("agent_iteration_interval", "warmup_steps"):
@@ -220,8 +228,18 @@ class TrainConfig:
         after a resume merged the checkpoint's values.
 
         Raises:
-            ValueError: ``agent_iteration_interval`` is shorter than one iteration's env steps.
+            ValueError: ``agent_iteration_interval`` is shorter than one iteration's env steps; with GRPO,
+                ``group_size`` does not divide ``n_rollout_threads`` or ``horizon`` does not divide ``episode_length``.
         """
+        if self.algo.algorithm_name == "GRPO":
+            groups, horizon = self.algo.group_size, self.env.horizon
+            if self.runner.n_rollout_threads % groups:
+                raise ValueError(f"--group_size {groups} must divide --n_rollout_threads {self.runner.n_rollout_threads} (each group is that many envs on one task)")
+            if self.runner.episode_length % horizon:
+                raise ValueError(
+                    f"GRPO plays whole episodes: --episode_length {self.runner.episode_length} must be a multiple of --horizon {horizon} "
+                    f"(each iteration plays episode_length / horizon rounds of group episodes)"
+                )
         interval, per_iteration = self.algo.agent_iteration_interval, self.steps_per_iteration
         if 0 < interval < per_iteration:
             raise ValueError(

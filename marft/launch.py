@@ -71,6 +71,7 @@ def build_env_factories(config: TrainConfig, profile):
 def validate(config: TrainConfig):
     """Check profile, model path, data and resume path; return ``(profile, make_train_env, make_eval_env)``."""
     from marft.agents.loading import check_model_path
+    from marft.algorithms import trainer_class
     from marft.envs.profile import load_profile
 
     config.check()
@@ -80,6 +81,11 @@ def validate(config: TrainConfig):
     make_train_env, make_eval_env = build_env_factories(config, profile)
     for split, make_env in (("train", make_train_env), ("test", make_eval_env)):
         probe_env(make_env, profile, f"--env_name {config.env.env_name} ({split})")
+    if trainer_class(config.algo.algorithm_name).group_relative and not make_train_env().unwrapped.num_tasks:
+        raise ValueError(
+            f"--algorithm_name {config.algo.algorithm_name} resets each group of envs on one task, by reset(options={{'task_index': i}}); "
+            f"--env_name {config.env.env_name} sets no num_tasks (see 'Writing your own environment' in the README)"
+        )
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
@@ -123,6 +129,11 @@ def check_processes(config: TrainConfig) -> None:
             f"--n_rollout_threads {envs} cannot be split over {processes} processes: each process takes an equal share "
             f"of the environments, so use a multiple of {processes} (e.g. {processes * max(1, envs // processes)})"
         )
+    if processes > 1 and config.algo.algorithm_name == "GRPO" and (envs // processes) % config.algo.group_size:
+        raise ValueError(
+            f"--group_size {config.algo.group_size} must divide each process's {envs // processes} envs "
+            f"(--n_rollout_threads {envs} over {processes} processes): a group's episodes stay on one process"
+        )
     if processes > 1 and config.model.device.startswith("cuda:"):
         raise ValueError(f"--device {config.model.device} would put all {processes} processes on one GPU: use --device cuda (each process takes its local GPU)")
 
@@ -156,14 +167,14 @@ def build_team(config: TrainConfig, profile, dist=None):
     every process starts from rank 0's adapters, and each samples with its own seed."""
     from marft.agents.loading import load_base_model
     from marft.agents.team import AgentTeam
-    from marft.algorithms import make_trainer
+    from marft.algorithms import make_trainer, trainer_class
     from marft.distributed import Distributed
 
     dist = dist or Distributed()
     with dist.main_process_first():  # rank 0 builds and caches the embedded model before the others read it
         model, tokenizer = load_base_model(config.model)
     seed_everything(config.runner.seed)
-    team = AgentTeam(model, tokenizer, profile, config.model)
+    team = AgentTeam(model, tokenizer, profile, config.model, with_critic=trainer_class(config.algo.algorithm_name).uses_critic)
     trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration, dist=dist)
     if dist.enabled:
         dist.broadcast_parameters(team.critic_parameters() + [p for a in team.policy_adapters for p in team.adapter_parameters(a)])

@@ -9,10 +9,14 @@ Data are multi-agent transcripts, one episode per JSONL line::
                {"role": "Judge", "text": "Try again."}, ...]}  # optional judge feedback between team steps
 
 or drawn from an environment's ``demonstrations(n)`` (a scripted, deliberately imperfect expert). Every
-agent turn becomes one example: the prompt the team would build at that moment (``AgentTeam.encode_prompts``:
+agent turn becomes one example: the prompt the team would build at that moment (``PromptEncoder``:
 role header, private observation, shared history, earlier replies of the step, the cue) and the reply tokens
 (+ EOS) as the team would sample them; the loss is on that reply only, through that role's adapter.
 The result is a checkpoint (``checkpoints/steps_0``) that ``--load_path`` starts RL from.
+
+The embedded model's build (``marft.models.tiny``) goes through the same path: its warm-start data are
+transcripts, turned into examples by :func:`turn_examples`, batched by :func:`collate_turns` and scored by
+:func:`reply_loss`, on all the model's weights instead of adapters.
 """
 
 from __future__ import annotations
@@ -101,16 +105,23 @@ def check_transcript(row: dict) -> dict:
     return row
 
 
-def turn_examples(team, transcripts: Iterable[dict]) -> list[TurnExample]:
-    """Every agent turn of ``transcripts`` as an example, prompted exactly as ``team`` prompts it.
+def turn_examples(
+    prompts, transcripts: Iterable[dict], *, eos_id: int, max_reply_tokens: int | None = None
+) -> list[TurnExample]:
+    """Every agent turn of ``transcripts`` as an example, prompted exactly as the team prompts it.
 
     A team step starts when the first agent speaks; the turns of the step before an agent's are its
     ``earlier_turns``, everything before the step (judge lines included) its history.
 
+    Args:
+        prompts: the team's :class:`~marft.agents.prompts.PromptEncoder` (``team.prompts``).
+        eos_id: appended to every reply.
+        max_reply_tokens: replies are cut to this many tokens, EOS included (the team's ``--max_new_tokens``).
+
     Raises:
         ValueError: a turn's role is not on the team (naming it and the team's roles).
     """
-    roles = [spec.role for spec in team.profile]
+    roles = [spec.role for spec in prompts.profile]
     examples = []
     for transcript in transcripts:
         history, step_turns = format_problem(transcript["problem"]), []
@@ -127,33 +138,47 @@ def turn_examples(team, transcripts: Iterable[dict]) -> list[TurnExample]:
             if agent == 0 and step_turns:  # a new team step
                 history += "".join(format_turn(r, t) for r, t in step_turns)
                 step_turns = []
-            ids, mask = team.encode_prompts(agent, [history], [list(step_turns)], [private.get(role, "")])
-            reply = team.tokenizer(" " + text.strip(), add_special_tokens=False).input_ids + [team.eos_id]
-            examples.append(TurnExample(agent, ids[0][mask[0].bool()].tolist(), reply[: team.config.max_new_tokens]))
+            (prompt_ids,) = prompts.encode_rows(agent, [history], [list(step_turns)], [private.get(role, "")])
+            reply = prompts.encode_text(" " + text.strip()) + [eos_id]
+            examples.append(TurnExample(agent, prompt_ids, reply[:max_reply_tokens]))
             step_turns.append((role, text))
     return examples
 
 
-def reply_nll(team, adapter: str, batch: Sequence[TurnExample]) -> torch.Tensor:
-    """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1).
-
-    Prompts are left-padded and replies right-padded, as in the rollout, so positions match."""
-    from marft.agents.team import position_ids_from_mask
-
-    P = max(len(e.prompt_ids) for e in batch)
-    L = max(len(e.reply_ids) for e in batch)
-    ids = torch.full((len(batch), P + L), team.pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), P + L), dtype=torch.long)
+def collate_turns(batch: Sequence[TurnExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, mask, labels)``, each ``(B, T)``: prompt then reply per row, RIGHT-padded (every row's
+    positions start at 0, so no position ids are needed); ``labels`` hold the reply ids, -100 elsewhere."""
+    width = max(len(e.prompt_ids) + len(e.reply_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
     for row, e in enumerate(batch):
-        ids[row, P - len(e.prompt_ids) : P] = torch.tensor(e.prompt_ids)
-        ids[row, P : P + len(e.reply_ids)] = torch.tensor(e.reply_ids)
-        mask[row, P - len(e.prompt_ids) : P + len(e.reply_ids)] = 1
-    ids, mask = ids.to(team.device), mask.to(team.device)
+        n = len(e.prompt_ids) + len(e.reply_ids)
+        ids[row, :n] = torch.tensor(e.prompt_ids + e.reply_ids)
+        labels[row, len(e.prompt_ids) : n] = torch.tensor(e.reply_ids)
+        mask[row, :n] = 1
+    return ids, mask, labels
+
+
+def reply_loss(lm, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the reply tokens (``labels != -100``) of a causal LM (with
+    whatever LoRA adapter is active in it), the LM head run only where a reply token is predicted: most
+    positions are prompt, and the head is a large share of a small model.
+
+    ``ids``, ``mask``, ``labels``: ``(B, T)``, as :func:`collate_turns` makes them.
+    """
+    hidden = lm.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, C)
+    targets = labels[:, 1:]  # (B, T-1): the token each position predicts
+    scored = targets != -100  # (B, T-1)
+    logits = lm.get_output_embeddings()(hidden[:, :-1][scored])  # (N, V), N reply tokens in the batch
+    return torch.nn.functional.cross_entropy(logits.float(), targets[scored])
+
+
+def reply_nll(team, adapter: str, batch: Sequence[TurnExample]) -> torch.Tensor:
+    """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1)."""
+    ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
     team.route(adapter)
-    logits = team.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), logits_to_keep=L + 1).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, ids[:, P:].unsqueeze(-1)).squeeze(-1)  # (B, L)
-    reply_mask = mask[:, P:].float()
-    return -(logp * reply_mask).sum() / reply_mask.sum()
+    return reply_loss(team.model.get_base_model(), ids, mask, labels)
 
 
 def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: int = 0) -> list[float]:
@@ -235,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     team, trainer = build_team(config, profile)
     try:
-        examples = turn_examples(team, transcripts)
+        examples = turn_examples(team.prompts, transcripts, eos_id=team.eos_id, max_reply_tokens=config.model.max_new_tokens)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

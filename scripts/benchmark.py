@@ -75,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_mini_batch", type=int, default=1)
     p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
+    p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
+    p.add_argument("--kl_coef", type=float, default=0.0, help=field_docs(AlgoConfig)["kl_coef"])
     p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
     p.add_argument("--normalization_mode", default="sum", choices=list(CHOICES["normalization_mode"]), help=field_docs(AlgoConfig)["normalization_mode"])
     p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
@@ -137,6 +139,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
             num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
             target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
+            group_size=args.group_size, kl_coef=args.kl_coef,
         ),
         runner=RunnerConfig(
             n_rollout_threads=args.n_rollout_threads, episode_length=args.episode_length, num_env_steps=args.num_env_steps,
@@ -422,6 +425,9 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
 def bench_update(args) -> dict:
     from marft.agents.team import CRITIC_ADAPTER
 
+    if args.algorithm_name == "GRPO":
+        raise SystemExit("update compares the critic-based trainers to plain forward+backward passes of the critic and the agents; "
+                         "time GRPO against APPO with the iteration benchmark")
     runner, config, _ = build_runner(args)
     team, trainer = runner.team, runner.trainer
     buffer, _ = runner.collect()
@@ -472,7 +478,7 @@ def bench_iteration(args) -> dict:
     for i in range(args.repeats + 1):  # iteration 0 is a warm-up
         synchronize(team.device)
         start = time.perf_counter()
-        buffer, _ = runner.collect()
+        buffer, _ = runner.collect(i)
         synchronize(team.device)
         middle = time.perf_counter()
         trainer.compute_advantages(buffer)
@@ -494,6 +500,7 @@ def bench_iteration(args) -> dict:
         "rollout_s": sum(rollout_s) / args.repeats,
         "update_s": sum(update_s) / args.repeats,
         "reply_tokens_per_iteration": sum(tokens) / args.repeats,
+        "seconds_per_1k_reply_tokens": 1000 * (sum(rollout_s) + sum(update_s)) / max(sum(tokens), 1),
         "base_params_m": sum(p.numel() for n, p in named if "lora_" not in n) / 1e6,
         "adapter_params_m": sum(p.numel() for n, p in named if "lora_" in n) / 1e6,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

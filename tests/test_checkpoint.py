@@ -70,6 +70,8 @@ TIMING = ("seconds", "per_s")
 def test_resume_is_exact(random_model_dir, tmp_path, algorithm, interval):
     """2N iterations in one go == N iterations, stop, resume (from the run directory) for N more."""
     extra = ("--algorithm_name", algorithm, "--agent_iteration_interval", str(interval * E))  # env steps: every `interval` iterations
+    if algorithm == "GRPO":  # one group of both envs; whole episodes per iteration (one step each)
+        extra += ("--group_size", str(E), "--horizon", "1")
     one_go, stopped = tmp_path / "one_go", tmp_path / "stopped"
     assert main(flags(random_model_dir, 2 * N, one_go, *extra)) == 0
     assert main(flags(random_model_dir, N, stopped, *extra)) == 0

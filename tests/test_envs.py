@@ -129,9 +129,9 @@ def test_step_requires_reset_and_valid_actions():
 
 def test_multi_turn_with_judge_feedback():
     env = MathEnv("arithmetic", horizon=3)
-    obs, info = env.reset(seed=1, options={"problem_index": 4})
+    obs, info = env.reset(seed=1, options={"task_index": 4})
     problem, answer = env.problems[4]["problem"], env.problems[4]["answer"]
-    assert obs == format_problem(problem) and info["answer"] == answer and info["problem_index"] == 4
+    assert obs == format_problem(problem) and info["answer"] == answer and info["task_index"] == 4
     expected = format_problem(problem)
     for step in (1, 2):
         replies = (f"idea {step}", "\\boxed{-1000}")

@@ -167,7 +167,8 @@ def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora, 
         before = snapshot(team)
         trainer.update(buffer, iteration)
         adapter = team.agent_adapters[expected_agent]
-        assert changed_groups(team, before) == {adapter, "critic", "value_head"}, iteration
+        critic = {"critic", "value_head"} if trainer.uses_critic else set()  # GRPO trains no critic
+        assert changed_groups(team, before) == {adapter} | critic, iteration
 
 
 def test_all_agents_train_when_interval_is_zero_and_none_during_warmup(random_model_dir):

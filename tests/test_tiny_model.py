@@ -89,13 +89,15 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
     from marft.envs.cooperative import keeper_observation, relay_problem, relay_tasks
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.envs.profile import load_profile
-    from marft.models.tiny import _sft_examples
+    from marft.models.tiny import warm_start_prompts, warm_start_transcripts
     from marft.prompting import format_problem
+    from marft.sft import turn_examples
 
     config = ModelConfig(model_name_or_path=random_model_dir, context_window=256)
     model, tokenizer = load_base_model(config)
     team = AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config)
-    examples = _sft_examples(lambda t: tokenizer(t, add_special_tokens=False).input_ids, tokenizer.eos_token_id, TinyRecipe(), np.random.default_rng(0))
+    transcripts = warm_start_transcripts(TinyRecipe(), np.random.default_rng(0))
+    examples = [(e.prompt_ids, e.reply_ids) for e in turn_examples(warm_start_prompts(tokenizer), transcripts, eos_id=tokenizer.eos_token_id)]
     arithmetic = generate_arithmetic("train") + generate_arithmetic("test")
     pairs = relay_tasks("train") + relay_tasks("test")
     assert len(examples) == 2 * (len(arithmetic) + len(pairs))  # a Reasoner and an Actor example per task

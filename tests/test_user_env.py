@@ -167,7 +167,7 @@ def test_transcript_turns_are_prompted_exactly_as_the_team_prompts_them(random_m
     path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps({"problem": "p", "turns": []}) + "\n")
     transcripts, skipped = load_transcripts(path)
     assert len(transcripts) == 1 and skipped == 2
-    examples = turn_examples(team, transcripts)
+    examples = turn_examples(team.prompts, transcripts, eos_id=team.eos_id, max_reply_tokens=16)
     assert [e.agent for e in examples] == [0, 1, 0, 1]
     step2 = "Problem: What is x + 50?\nReasoner: 7 + 50 = 57\nActor: \\boxed{56}\nJudge: Try again.\n"
     ids, mask = team.encode_prompts(1, [step2], [[("Reasoner", "x is 7")]], [""])
@@ -176,7 +176,7 @@ def test_transcript_turns_are_prompted_exactly_as_the_team_prompts_them(random_m
     assert examples[2].prompt_ids == ids[0][mask[0].bool()].tolist()
     assert examples[3].reply_ids == team.tokenizer(" \\boxed{57}", add_special_tokens=False).input_ids + [team.eos_id]
     with pytest.raises(ValueError, match="Planner"):
-        turn_examples(team, [{"problem": "p", "turns": [{"role": "Planner", "text": "x"}]}])
+        turn_examples(team.prompts, [{"problem": "p", "turns": [{"role": "Planner", "text": "x"}]}], eos_id=team.eos_id)
 
 
 def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(random_model_dir):

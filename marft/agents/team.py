@@ -36,7 +36,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.config import ModelConfig
-from marft.prompting import build_prompt, format_private
+from marft.agents.prompts import PromptEncoder
 
 CRITIC_ADAPTER = "critic"
 SHARED_ADAPTER = "shared"
@@ -132,8 +132,10 @@ class AgentTeam(nn.Module):
         config: the model section of the run config.
     """
 
-    def __init__(self, base_model, tokenizer, profile: Sequence, config: ModelConfig):
+    def __init__(self, base_model, tokenizer, profile: Sequence, config: ModelConfig, with_critic: bool = True):
         super().__init__()
+        self.has_critic = with_critic
+        """Whether the team has a critic (its LoRA adapter and value head); critic-free trainers (GRPO) build none."""
         self.config = config
         self.profile = list(profile)
         self.tokenizer = tokenizer
@@ -158,7 +160,7 @@ class AgentTeam(nn.Module):
         for p in base_model.parameters():
             p.requires_grad_(False)
         self.model = get_peft_model(base_model, lora, adapter_name=self.policy_adapters[0])
-        for name in self.policy_adapters[1:] + [CRITIC_ADAPTER]:
+        for name in self.policy_adapters[1:] + ([CRITIC_ADAPTER] if with_critic else []):
             self.model.add_adapter(name, lora)
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         self._lora_dropouts = [m for layer in self._lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
@@ -173,10 +175,13 @@ class AgentTeam(nn.Module):
                 base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self._checkpointed_layers = [m for m in base_model.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.model.eval()  # new LoRA modules start in train mode: dropout stays off outside lora_dropout_active()
-        hidden = base_model.config.get_text_config().hidden_size
-        self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, std=1.0 / hidden)
-        nn.init.zeros_(self.value_head.bias)
+        self._device = base_model.device
+        self.value_head = None
+        if with_critic:
+            hidden = base_model.config.get_text_config().hidden_size
+            self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
+            nn.init.normal_(self.value_head.weight, std=1.0 / hidden)
+            nn.init.zeros_(self.value_head.bias)
         self.generation_config = GenerationConfig(
             do_sample=True,
             temperature=config.temperature,
@@ -191,14 +196,9 @@ class AgentTeam(nn.Module):
         # repetition_penalty, no_repeat_ngram_size, suppress_tokens, stop strings ... in real checkpoints); the
         # recorded log-probs would then no longer describe what was sampled. An empty one leaves only ours.
         base_model.generation_config = GenerationConfig()
-        self.header_ids = [self._encode(self._header(i)) for i in range(len(self.profile))]
-        self.max_prompt_len = config.context_window - config.max_new_tokens
-        for spec, ids in zip(self.profile, self.header_ids):
-            if len(ids) >= self.max_prompt_len:
-                raise ValueError(
-                    f"the role header of {spec.role!r} is {len(ids)} tokens, more than the prompt budget "
-                    f"({self.max_prompt_len} = --context_window - --max_new_tokens); raise --context_window"
-                )
+        self.prompts = PromptEncoder(tokenizer, self.profile, config.context_window - config.max_new_tokens)
+        self.header_ids = self.prompts.header_ids
+        self.max_prompt_len = self.prompts.max_prompt_len
         self._header_memo: dict | None = None  # role-header keys/values per (adapter, agents), inside frozen_adapters()
         self.set_active(None)
         self.logprobs_from_generate = next(base_model.parameters()).dtype == torch.float32
@@ -208,7 +208,7 @@ class AgentTeam(nn.Module):
     # ------------------------------------------------------------------ parameters
     @property
     def device(self) -> torch.device:
-        return self.value_head.weight.device
+        return self._device
 
     @property
     def n_agents(self) -> int:
@@ -220,7 +220,15 @@ class AgentTeam(nn.Module):
         return [p for n, p in self.model.named_parameters() if adapter_of(n) == adapter]
 
     def critic_parameters(self) -> list[nn.Parameter]:
+        """The critic's adapter and value head (none in a critic-free team)."""
+        if not self.has_critic:
+            return []
         return self.adapter_parameters(CRITIC_ADAPTER) + list(self.value_head.parameters())
+
+    @property
+    def adapters(self) -> list[str]:
+        """Every adapter of the team: the policies', then the critic's when there is one."""
+        return self.policy_adapters + ([CRITIC_ADAPTER] if self.has_critic else [])
 
     def set_active(self, adapter: str | None, trainable: bool = False) -> None:
         """Route forward passes through ``adapter``; only its parameters require grad when ``trainable``.
@@ -233,7 +241,8 @@ class AgentTeam(nn.Module):
             self.route(adapter)
         for name, p in self.model.named_parameters():
             p.requires_grad_(trainable and adapter is not None and adapter_of(name) == adapter)
-        self.value_head.requires_grad_(trainable and adapter == CRITIC_ADAPTER)
+        if self.value_head is not None:
+            self.value_head.requires_grad_(trainable and adapter == CRITIC_ADAPTER)
 
     def route(self, adapter: str) -> None:
         """Make ``adapter`` the one every LoRA layer applies, leaving ``requires_grad`` alone (see :meth:`set_active`).
@@ -249,13 +258,6 @@ class AgentTeam(nn.Module):
             layer._active_adapter = [adapter]
 
     # ------------------------------------------------------------------ prompts
-    def _header(self, agent: int) -> str:
-        header, _ = build_prompt(self.profile[agent].prompt, "", [], self.profile[agent].role)
-        return header
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
     def encode_prompts(
         self,
         agent: int,
@@ -263,35 +265,23 @@ class AgentTeam(nn.Module):
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
     ):
-        """Tokenise agent ``agent``'s prompts: role header (and private observation) kept whole,
-        history cut from the left.
-
-        Args:
-            histories: per prompt, the environment's shared observation.
-            earlier_turns: per prompt, ``(role, reply)`` of the agents that already spoke this step.
-            private: per prompt, text only this agent sees (None: nothing).
-
-        Returns ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, left-padded, P ≤ max_prompt_len.
-        """
-        spec = self.profile[agent]
-        bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
-        headers = [self.header_ids[agent]] * len(bodies)
-        if private is not None and any(private):
-            private_ids = self.tokenizer([format_private(text) for text in private], add_special_tokens=False).input_ids
-            headers = [self.header_ids[agent] + ids for ids in private_ids]
-        rows = []
-        for header, ids in zip(headers, self.tokenizer(bodies, add_special_tokens=False).input_ids):
-            budget = self.max_prompt_len - len(header)
-            if budget <= 0:
-                raise ValueError(f"the role header and private observation of {spec.role!r} fill the whole prompt budget; raise --context_window")
-            rows.append(header + ids[-budget:])
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[b, width - len(row) :] = 1
+        """Agent ``agent``'s prompts (:meth:`PromptEncoder.encode`) on the team's device:
+        ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, left-padded, P ≤ max_prompt_len."""
+        ids, mask = self.prompts.encode(agent, histories, earlier_turns, private, pad_id=self.pad_id)
         return ids.to(self.device), mask.to(self.device)
+
+    @contextmanager
+    def reference_policy(self):
+        """Inside, every forward runs the base model alone (all adapters off): the reference policy of the
+        KL penalty, with no second model in memory. Which parameters require grad is kept (peft's
+        ``disable_adapter`` resets it on exit)."""
+        trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(trainable[name])
 
     @contextmanager
     def lora_dropout_active(self):
@@ -564,7 +554,7 @@ class AgentTeam(nn.Module):
         Args:
             histories: ``(B,)`` shared observations.
             private: ``(B, N)`` text only agent n sees in conversation b (None: nothing private).
-            with_values: value every turn (training rollouts); evaluation skips the critic.
+            with_values: value every turn (training rollouts with a critic); evaluation and critic-free teams skip it.
             token_values: the critic also values every reply token (token-level trainers).
 
         Returns one ``TurnOutput`` per agent.
@@ -576,7 +566,7 @@ class AgentTeam(nn.Module):
             for turns, text in zip(earlier, out.texts):
                 turns.append((spec.role, text))
             outs.append(out)
-        if with_values:
+        if with_values and self.has_critic:
             self.value_turns(outs, token_values)
         return outs
 

@@ -12,8 +12,10 @@ import importlib
 TRAINERS: dict[str, str] = {
     "APPO": "marft.algorithms.appo_trainer:APPOTrainer",
     "TPPO": "marft.algorithms.tppo_trainer:TPPOTrainer",
+    "GRPO": "marft.algorithms.grpo_trainer:GRPOTrainer",
 }
-"""``--algorithm_name`` → trainer class. APPO: action-level MAPPO (MARFT-A); TPPO: token-level (MARFT-T)."""
+"""``--algorithm_name`` → trainer class. APPO: action-level MAPPO (MARFT-A); TPPO: token-level (MARFT-T);
+GRPO: critic-free, group-relative."""
 
 
 def trainer_class(name: str):

@@ -158,3 +158,40 @@ def token_chain_gae(
             next_adv = torch.where(real, adv[:, 0], next_adv)
             pending = torch.where(real, torch.zeros_like(pending), pending + rewards[t, :, n])
     return advantages, (advantages + token_values) * mask
+
+
+def group_relative_advantages(
+    rewards: torch.Tensor, active: torch.Tensor, round_length: int, group_size: int, scale: bool = True, eps: float = 1e-4
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Critic-free, group-relative advantages (GRPO), one per agent turn.
+
+    The T steps are ``T / round_length`` rounds; in each round, envs ``g·G .. g·G + G - 1`` (G = ``group_size``)
+    played one episode each on the same task. An episode's team return is the sum over its played steps of
+    the mean reward over agents; every turn of the episode gets ``(return - group mean) / (group std + eps)``
+    (``scale=False``: ``return - group mean``). The std is the unbiased one (as TRL's GRPO). A group whose
+    returns are all equal gets 0.
+
+    Args:
+        rewards: ``(T, E, N)``.
+        active: ``(T, E)`` bool, the env played step t (cells after its episode ended are not).
+
+    Returns:
+        ``advantages (T, E, N)`` (0 at inactive cells), ``returns (T, E, N)`` (the episode's team return at
+        every played turn) and the number of groups without return variance.
+    """
+    T, E, N = rewards.shape
+    if T % round_length or E % group_size:
+        raise ValueError(f"{T} steps are not whole rounds of {round_length}, or {E} envs not whole groups of {group_size}")
+    played = active.to(rewards.dtype)  # (T, E)
+    team_reward = rewards.mean(-1) * played  # (T, E)
+    episode_return = team_reward.reshape(T // round_length, round_length, E).sum(1)  # (R, E)
+    grouped = episode_return.reshape(-1, E // group_size, group_size)  # (R, E/G, G)
+    mean = grouped.mean(-1, keepdim=True)
+    std = grouped.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+    flat = std.squeeze(-1) < 1e-8  # (R, E/G)
+    centred = grouped - mean
+    group_adv = centred / (std + eps) if scale else centred
+    group_adv = torch.where(flat.unsqueeze(-1), torch.zeros_like(group_adv), group_adv).reshape(-1, E)  # (R, E)
+    per_step = group_adv.repeat_interleave(round_length, dim=0) * played  # (T, E)
+    returns = episode_return.repeat_interleave(round_length, dim=0) * played  # (T, E)
+    return per_step.unsqueeze(-1).expand(T, E, N).clone(), returns.unsqueeze(-1).expand(T, E, N).clone(), int(flat.sum())

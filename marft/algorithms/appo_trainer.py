@@ -49,9 +49,11 @@ class APPOTrainer:
             adapter: torch.optim.AdamW(team.adapter_parameters(adapter), lr=config.lr, weight_decay=0.0)
             for adapter in team.policy_adapters
         }
-        self.critic_optimizer = torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0)
+        self.critic_optimizer = (
+            torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0) if self.uses_critic else None
+        )
         self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0, "constant_reward_batches": 0}
-        self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, "critic"]}
+        self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, *(["critic"] if self.uses_critic else [])]}
         """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
         self.iteration = 0
         """The 0-based iteration being updated (for messages)."""
@@ -83,6 +85,10 @@ class APPOTrainer:
         return groups
 
     # ------------------------------------------------------------------ algorithm hooks
+    uses_critic = True
+    """Whether the team needs a critic (adapter, value head, values in the rollout, its optimizer and checkpoint files)."""
+    group_relative = False
+    """Whether the runner plays groups of ``group_size`` whole episodes on one task (critic-free GRPO)."""
     token_level = False
     """Whether the rollout must value every reply token (MARFT-T) or only each prompt (MARFT-A)."""
 
@@ -114,7 +120,37 @@ class APPOTrainer:
         old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
         loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-        return loss, entropy, stats
+        return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
+
+    def with_reference_kl(self, loss: torch.Tensor, token_logp: torch.Tensor, mb: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
+        """``loss + kl_coef * KL(policy || reference)``, the KL by the k3 estimator ``exp(r) - r - 1`` with
+        ``r = log p_ref - log p`` per real reply token, averaged over tokens (as GRPO papers put it in the
+        loss; AReaL's reward penalty would move it into the advantages). The reference is the base model
+        (adapters off). Logged as ``kl_to_reference``. With ``kl_coef`` 0 the loss is unchanged and no
+        reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
+        if self.config.kl_coef <= 0:
+            return loss
+        mask = mb["response_mask"].float()  # (B, L)
+        log_ratio = (mb["ref_logprobs"] - token_logp) * mask  # (B, L)
+        k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
+        kl = k3.sum() / mask.sum().clamp(min=1)
+        stats["kl_to_reference"] = kl.detach()
+        return loss + self.config.kl_coef * kl
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``(B, L)`` log-probs of the sampled replies under the reference policy (the base model: every adapter
+        off, free with LoRA), in chunks of one gradient-accumulation chunk's size; zero at padding."""
+        n_samples, L = samples["response_ids"].shape
+        size = max(1, math.ceil(n_samples / (self.config.num_mini_batch * self.config.gradient_cp_steps)))
+        out = torch.zeros(n_samples, L)
+        adapter = self.team.policy_adapters[0]
+        for rows in torch.arange(n_samples).split(size):
+            mb = trim_batch({k: samples[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}, self.team.device)
+            with self.team.reference_policy():
+                scores = self.team.response_logprobs(adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"])
+            out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
+        return out
 
     def score_replies(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The current policy's token log-probs and entropies of the minibatch's replies, ``(B, L)`` each;
@@ -147,7 +183,7 @@ class APPOTrainer:
             agents = []
         out_of_topk = self.counters["out_of_topk_tokens"]
         with self.team.lora_dropout_active():
-            metrics = self.update_critic(buffer.critic_samples(self.token_level))
+            metrics = self.update_critic(buffer.critic_samples(self.token_level)) if self.uses_critic else {}
             for adapter, agents in self.adapter_groups(agents).items():
                 samples = buffer.agent_samples(agents, self.token_level)
                 label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
@@ -208,6 +244,8 @@ class APPOTrainer:
         params = team.adapter_parameters(adapter)
         team.set_active(adapter, trainable=True)
         samples = self.normalized_advantages(samples)
+        if cfg.kl_coef > 0:
+            samples["ref_logprobs"] = self.reference_logprobs(samples)
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
@@ -282,12 +320,14 @@ class APPOTrainer:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {
+        state = {
             "policy_optimizers": {a: opt.state_dict() for a, opt in self.policy_optimizers.items()},
-            "critic_optimizer": self.critic_optimizer.state_dict(),
             "counters": dict(self.counters),
             "consecutive_skips": dict(self.consecutive_skips),
         }
+        if self.critic_optimizer is not None:
+            state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore optimizer states and counters; learning rates come from the current config
@@ -296,9 +336,10 @@ class APPOTrainer:
             opt.load_state_dict(state["policy_optimizers"][adapter])
             for group in opt.param_groups:
                 group["lr"] = self.config.lr
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-        for group in self.critic_optimizer.param_groups:
-            group["lr"] = self.config.critic_lr
+        if self.critic_optimizer is not None:
+            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+            for group in self.critic_optimizer.param_groups:
+                group["lr"] = self.config.critic_lr
         self.counters.update(state.get("counters", {}))
         self.consecutive_skips.update(state.get("consecutive_skips", {}))
 

@@ -43,7 +43,7 @@ class TPPOTrainer(APPOTrainer):
         mask = mb["response_mask"].float()
         loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], mb["token_advantages"], self.config.clip_param, weights=mask)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
-        return loss, entropy, stats
+        return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
 
     def value_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
         """Clipped value loss of every real reply token's value."""

@@ -12,7 +12,10 @@ observation is the shared history as text (see ``marft.prompting``)::
 
 Subclasses implement two hooks:
 
-* ``sample_task(options) -> {"problem": str, "answer": str, ...}`` drawing with ``self.np_random``;
+* ``sample_task(options) -> {"problem": str, "answer": str, ...}`` drawing with ``self.np_random``
+  (an env with a finite task list also sets ``num_tasks`` and honours ``options["task_index"]``
+  through :meth:`MultiAgentTextEnv.choose_task`: evaluation walks through the tasks that way, and
+  group-relative training resets a group of envs on one task);
 * ``evaluate(state, actions) -> StepOutcome``: per-agent rewards, whether the task is solved,
   and the judge feedback to show if the episode continues.
 
@@ -39,6 +42,9 @@ from gymnasium import spaces
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 
 logger = logging.getLogger(__name__)
+
+TASK_INDEX = "task_index"
+"""The one ``reset`` option that picks a task: ``env.reset(options={"task_index": i})``, 0 <= i < ``env.num_tasks``."""
 
 PRIVATE_KEY = "private_observations"
 """The ``info`` key under which every reset and step returns what each agent alone sees (a tuple of texts)."""
@@ -134,6 +140,10 @@ class MultiAgentTextEnv(gym.Env):
         self.episode: EpisodeState | None = None
         self.reward_failures = 0  # steps whose ``evaluate`` raised (reward 0, logged)
 
+    num_tasks: int | None = None
+    """How many tasks the env holds (a subclass with a task list sets it, e.g. as a property); None: tasks
+    are generated without a list, and the ``task_index`` option is not supported."""
+
     # ---- hooks for subclasses
 
     def sample_task(self, options: dict | None) -> dict:
@@ -143,6 +153,22 @@ class MultiAgentTextEnv(gym.Env):
             dict: ``{"problem": str, "answer": str}``; other keys go into the reset ``info``.
         """
         raise NotImplementedError
+
+    def choose_task(self, options: dict | None) -> int:
+        """The index of the task to play: ``options["task_index"]`` when given, else one drawn with ``self.np_random``.
+
+        Raises:
+            IndexError: the given index is not in ``range(num_tasks)``.
+        """
+        n = self.num_tasks
+        if n is None:
+            raise TypeError(f"{type(self).__name__} sets no num_tasks, so it cannot choose a task by index")
+        if options and TASK_INDEX in options:
+            index = int(options[TASK_INDEX])
+            if not 0 <= index < n:
+                raise IndexError(f"{TASK_INDEX} {index} out of range for {n} tasks")
+            return index
+        return int(self.np_random.integers(n))
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
         """Judge the team's replies ``actions`` to ``state`` (must not modify ``state``).

@@ -121,14 +121,18 @@ class RelaySumEnv(MultiAgentTextEnv):
 
     # ---- the three hooks a task needs
 
+    @property
+    def num_tasks(self) -> int:
+        """How many (key, number) pairs the split holds (reset option ``task_index`` picks one)."""
+        return len(self.tasks)
+
     def sample_task(self, options: dict | None) -> dict:
         """A (key, number) pair of this split drawn with ``self.np_random`` (or ``options["task_index"]``).
 
         Returns:
             dict: ``problem`` (public text), ``answer`` (``str(key + number)``), ``key``, ``number``.
         """
-        index = int(options["task_index"]) if options and "task_index" in options else int(self.np_random.integers(len(self.tasks)))
-        return relay_problem(*self.tasks[index])
+        return relay_problem(*self.tasks[self.choose_task(options)])
 
     def initial_state(self, task: dict) -> RelayState:
         base = super().initial_state(task)

@@ -57,27 +57,40 @@ class TextVectorEnv(VectorEnv):
         """Alias of ``num_envs`` (the runner's name for it)."""
         return self.num_envs
 
-    def reset(self, *, seed: int | list[int | None] | None = None, options: dict | None = None) -> tuple[tuple[str, ...], dict]:
-        """Reset every env; with an int ``seed``, env ``k`` gets ``seed + k``.
+    @property
+    def num_tasks(self) -> int | None:
+        """The envs' ``num_tasks`` (how many tasks the reset option ``task_index`` chooses from; None: no task list)."""
+        return self.envs[0].unwrapped.num_tasks
+
+    def reset(self, *, seed: int | list[int | None] | None = None, options: dict | list[dict | None] | None = None) -> tuple[tuple[str, ...], dict]:
+        """Reset every env; with an int ``seed``, env ``k`` gets ``seed + k``; ``options`` go to every env, or,
+        as a list, ``options[k]`` to env ``k`` (e.g. one ``task_index`` per env).
 
         Returns:
             obs (tuple[str, ...]): ``num_envs`` first observations.
             infos (dict): gymnasium's vector infos of the reset infos (``private_observations`` among them).
         """
         seeds = [None if seed is None else seed + k for k in range(self.num_envs)] if not isinstance(seed, list) else seed
+        per_env = options if isinstance(options, list) else [options] * self.num_envs
+        if len(per_env) != self.num_envs:
+            raise ValueError(f"expected options for {self.num_envs} envs, got {len(per_env)}")
         observations, infos = [], {}
         for k, (env, env_seed) in enumerate(zip(self.envs, seeds)):
-            obs, info = env.reset(seed=env_seed, options=options)
+            obs, info = env.reset(seed=env_seed, options=per_env[k])
             observations.append(obs)
             infos = self._add_info(infos, info, k)
         self._remember_private(infos)
         return tuple(observations), infos
 
-    def step(self, actions: Sequence[Sequence[str]]) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
+    def step(
+        self, actions: Sequence[Sequence[str] | None], active: np.ndarray | None = None
+    ) -> tuple[tuple[str, ...], np.ndarray, np.ndarray, np.ndarray, dict]:
         """Step every env with its team's replies; reset the ones that finish (same-step autoreset).
 
         Args:
             actions: shape ``(num_envs, n_agents)``: ``actions[k][i]`` is agent ``i``'s reply in env ``k``.
+            active: ``(num_envs,)`` bool, the envs to step (None: all); the others are left as they are
+                (their action is ignored, reward 0, neither terminated nor truncated, the same observation).
 
         Returns:
             obs (tuple[str, ...]): ``num_envs`` observations; for a finished env, the first observation of its new episode.
@@ -90,15 +103,19 @@ class TextVectorEnv(VectorEnv):
         """
         if len(actions) != self.num_envs:
             raise ValueError(f"expected actions for {self.num_envs} envs, got {len(actions)}")
-        for env, team_actions in zip(self.envs, actions):  # start every env's slow grading at once (e.g. sandboxes)
+        stepped = np.ones(self.num_envs, dtype=bool) if active is None else np.asarray(active, dtype=bool)
+        for env, team_actions, go in zip(self.envs, actions, stepped):  # start every env's slow grading at once (e.g. sandboxes)
             pregrade = getattr(env.unwrapped, "pregrade", None)
-            if pregrade is not None:
+            if pregrade is not None and go:
                 pregrade(tuple(team_actions))
         observations, infos = [], {}
         rewards = np.zeros((self.num_envs, self.n_agents), dtype=np.float32)  # (num_envs, n_agents)
         terminated = np.zeros(self.num_envs, dtype=bool)
         truncated = np.zeros(self.num_envs, dtype=bool)
         for k, (env, team_actions) in enumerate(zip(self.envs, actions)):
+            if not stepped[k]:
+                observations.append(env.unwrapped.episode.history)
+                continue
             obs, reward, terminated[k], truncated[k], info = env.step(tuple(team_actions))
             rewards[k] = reward
             if terminated[k] or truncated[k]:
@@ -110,8 +127,10 @@ class TextVectorEnv(VectorEnv):
         return tuple(observations), rewards, terminated, truncated, infos
 
     def _remember_private(self, infos: dict) -> None:
+        given = infos.get(f"_{PRIVATE_KEY}", np.zeros(self.num_envs, dtype=bool))
         for k, text in enumerate(infos.get(PRIVATE_KEY, [None] * self.num_envs)):
-            self.private_observations[k] = tuple(text) if text is not None else ("",) * self.n_agents
+            if given[k] or PRIVATE_KEY not in infos:  # envs left out of this step keep what they had
+                self.private_observations[k] = tuple(text) if text is not None else ("",) * self.n_agents
 
     def state_dict(self) -> list[dict]:
         """Per env, its :meth:`MultiAgentTextEnv.state_dict` (RNG, current episode, counters)."""

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import json
 import logging
@@ -53,6 +52,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "marft-tiny"
+MAX_POSITIONS = 2048
 EOS = "<|endoftext|>"
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "envs" / "profiles"
 CORPUS_PROFILES = tuple(f"{name}{twin}" for name in ("planner_solver", "planner_solver_reflector_verifier", "planner_solver_verifier",
@@ -137,7 +137,7 @@ def _qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=2048,
+        max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -231,52 +231,47 @@ def _noisy_relay_replies(key: int, number: int, rng, keeper_tells: float, actor_
     return f"{used} + {number} = {used + number}", _noisy_copy(used + number, rng, actor_copies)
 
 
-def _sft_examples(enc, eos_id: int, recipe: TinyRecipe, rng) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, reply ids + EOS) pairs for both agents, tokenised exactly like ``AgentTeam``
-    (header and body apart, no BOS; the reply after a space, as sampled after ``"Role:"``)."""
+def warm_start_transcripts(recipe: TinyRecipe, rng) -> list[dict]:
+    """One epoch of noisy warm-start transcripts, in ``marft.sft``'s JSONL format (problem, private, turns).
+
+    The whole arithmetic table, as pretraining would cover it; the labels are noisy, so the model knows
+    the answers only in part. RL trains on the train split; evaluation uses the test split, which RL never
+    sees. (A 3-layer model cannot learn to add from 160 pairs in a minute: warming up on the train split
+    alone leaves ~18% sampled / 25% greedy on test, too little for RL to sharpen.) Then every ``relay_sum``
+    pair, the key private to the Reasoner as in RelaySumEnv.
+    """
     from marft.envs.cooperative import keeper_observation, relay_problem
     from marft.envs.math.arithmetic import generate_arithmetic
+
+    def transcript(problem: str, reasoning: str, final: str, private: dict | None = None) -> dict:
+        turns = [{"role": "Reasoner", "text": reasoning}, {"role": "Actor", "text": final}]
+        return {"problem": problem, "private": private or {}, "turns": turns}
+
+    transcripts = [transcript(row["problem"], *_noisy_replies(row, rng, recipe.reasoner_correct, recipe.actor_copies))
+                   for row in generate_arithmetic("train") + generate_arithmetic("test")]
+    for key, number in _relay_pairs():
+        replies = _noisy_relay_replies(key, number, rng, recipe.keeper_tells, recipe.actor_copies)
+        transcripts.append(transcript(relay_problem(key, number)["problem"], *replies, private={"Reasoner": keeper_observation(key)}))
+    return transcripts
+
+
+def warm_start_prompts(tokenizer):
+    """The prompt encoder of the Reasoner → Actor team the embedded model is warm-started as."""
+    from marft.agents.prompts import PromptEncoder
     from marft.envs.profile import load_profile
-    from marft.prompting import build_prompt, format_private, format_problem
 
-    reasoner, actor = load_profile("reasoner_actor", n_agents=2)
-    examples = []
-
-    def add(problem: str, reasoner_private: str, reasoning: str, final: str) -> None:
-        history = format_problem(problem)
-        for spec, private, turns, reply in ((reasoner, reasoner_private, [], reasoning), (actor, "", [(reasoner.role, reasoning)], final)):
-            header, body = build_prompt(spec.prompt, history, turns, spec.role)
-            examples.append((enc(header) + enc(format_private(private)) + enc(body), enc(" " + reply) + [eos_id]))
-
-    # The whole arithmetic table, as pretraining would cover it; the labels are noisy, so the model
-    # knows the answers only in part. RL trains on the train split; evaluation uses the test split,
-    # which RL never sees. (A 3-layer model cannot learn to add from 160 pairs in a minute: warming up
-    # on the train split alone leaves ~18% sampled / 25% greedy on test, too little for RL to sharpen.)
-    for row in generate_arithmetic("train") + generate_arithmetic("test"):
-        add(row["problem"], "", *_noisy_replies(row, rng, recipe.reasoner_correct, recipe.actor_copies))
-    for key, number in _relay_pairs():  # the key is private to the Reasoner, as in RelaySumEnv
-        add(relay_problem(key, number)["problem"], keeper_observation(key),
-            *_noisy_relay_replies(key, number, rng, recipe.keeper_tells, recipe.actor_copies))
-    return examples
-
-
-def _reply_loss(model, ids, mask, labels):
-    """Mean next-token cross-entropy over the reply tokens (``labels != -100``), with the LM head run
-    only where a reply token is predicted: most positions are prompt, and the head is a third of the model.
-
-    ``ids``, ``mask``, ``labels``: ``(B, T)``.
-    """
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, C)
-    targets = labels[:, 1:]  # (B, T-1): the token each position predicts
-    scored = targets != -100  # (B, T-1)
-    logits = model.lm_head(hidden[:, :-1][scored])  # (N, V), N reply tokens in the batch
-    return torch.nn.functional.cross_entropy(logits, targets[scored])
+    return PromptEncoder(tokenizer, load_profile("reasoner_actor", n_agents=2), max_prompt_len=MAX_POSITIONS)
 
 
 def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
-    """Supervised pass on fresh noisy transcripts each epoch; loss on reply tokens only. Returns the last loss."""
+    """Supervised pass on fresh noisy transcripts each epoch; loss on reply tokens only. Returns the last loss.
+
+    The same code path as a team's warm start (``marft.sft``: ``turn_examples``, ``collate_turns``,
+    ``reply_loss``), on every weight of the model rather than on LoRA adapters."""
+    from marft.sft import collate_turns, reply_loss, turn_examples
+
     rng = np.random.default_rng(recipe.seed)
-    enc = functools.cache(lambda text: tokenizer(text, add_special_tokens=False).input_ids)  # texts repeat every epoch
+    prompts = warm_start_prompts(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * min(s / recipe.sft_steps, 1.0))))
     examples: list = []
@@ -284,19 +279,10 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
     loss_value = float("nan")
     for step in range(recipe.sft_steps):
         if len(examples) < recipe.sft_batch_size:
-            examples = _sft_examples(enc, tokenizer.eos_token_id, recipe, rng)
+            examples = turn_examples(prompts, warm_start_transcripts(recipe, rng), eos_id=tokenizer.eos_token_id)
             examples = [examples[i] for i in rng.permutation(len(examples))]
         batch, examples = examples[: recipe.sft_batch_size], examples[recipe.sft_batch_size :]
-        width = max(len(p) + len(r) for p, r in batch)
-        ids = torch.full((len(batch), width), tokenizer.pad_token_id)
-        labels = torch.full((len(batch), width), -100)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, (prompt, reply) in enumerate(batch):  # right padding: positions start at 0 for every row
-            n = len(prompt) + len(reply)
-            ids[i, :n] = torch.tensor(prompt + reply)
-            labels[i, len(prompt) : n] = torch.tensor(reply)
-            mask[i, :n] = 1
-        loss = _reply_loss(model, ids, mask, labels)
+        loss = reply_loss(model, *collate_turns(batch, tokenizer.pad_token_id))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

@@ -105,29 +105,24 @@ class CodeEnv(MultiAgentTextEnv):
         self._pending: dict[str, Future] = {}
 
     @property
-    def num_problems(self) -> int:
-        """How many problems the env holds (evaluation walks through them by ``problem_index``)."""
+    def num_tasks(self) -> int:
+        """How many problems the env holds (reset option ``task_index`` picks one)."""
         return len(self.problems)
 
     def sample_task(self, options: dict | None) -> dict:
-        """A problem drawn with ``self.np_random``, or ``options["problem_index"]``.
+        """A problem drawn with ``self.np_random``, or ``options["task_index"]``.
 
         Returns:
             dict: ``problem`` (the statement), ``answer`` (the task id; the tests stay hidden),
-            ``problem_index`` and ``n_tests``.
+            ``task_index`` and ``n_tests``.
         """
-        if options and "problem_index" in options:
-            index = int(options["problem_index"])
-            if not 0 <= index < len(self.problems):
-                raise IndexError(f"problem_index {index} out of range for {len(self.problems)} problems")
-        else:
-            index = int(self.np_random.integers(len(self.problems)))
+        index = self.choose_task(options)
         problem = self.problems[index]
-        return {"problem": problem.text, "answer": problem.task_id, "problem_index": index, "n_tests": problem.n_tests}
+        return {"problem": problem.text, "answer": problem.task_id, "task_index": index, "n_tests": problem.n_tests}
 
     def initial_state(self, task: dict) -> CodeState:
         base = super().initial_state(task)
-        return CodeState(problem=base.problem, answer=base.answer, history=base.history, problem_index=int(task["problem_index"]))
+        return CodeState(problem=base.problem, answer=base.answer, history=base.history, problem_index=int(task["task_index"]))
 
     # ---- grading
 

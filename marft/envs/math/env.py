@@ -90,24 +90,19 @@ class MathEnv(MultiAgentTextEnv):
         return self._grader if self._grader is not None else default_grader()
 
     @property
-    def num_problems(self) -> int:
-        """How many problems the env holds (evaluation walks through them by ``problem_index``)."""
+    def num_tasks(self) -> int:
+        """How many problems the env holds (reset option ``task_index`` picks one)."""
         return len(self.problems)
 
     def sample_task(self, options: dict | None) -> dict:
-        """A problem drawn with ``self.np_random``, or ``options["problem_index"]``.
+        """A problem drawn with ``self.np_random``, or ``options["task_index"]``.
 
         Returns:
-            dict: ``problem``, ``answer`` and ``problem_index``.
+            dict: ``problem``, ``answer`` and ``task_index``.
         """
-        if options and "problem_index" in options:
-            index = int(options["problem_index"])
-            if not 0 <= index < len(self.problems):
-                raise IndexError(f"problem_index {index} out of range for {len(self.problems)} problems")
-        else:
-            index = int(self.np_random.integers(len(self.problems)))
+        index = self.choose_task(options)
         row = self.problems[index]
-        return {"problem": row["problem"], "answer": row["answer"], "problem_index": index}
+        return {"problem": row["problem"], "answer": row["answer"], "task_index": index}
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
         """Grade the answering agent's reply; the same team reward goes to every agent.

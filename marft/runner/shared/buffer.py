@@ -13,8 +13,12 @@ P = max prompt length, L = max_new_tokens):
                                                  it bootstraps from ``final_values``
 * ``final_values``                 (T, E)        critic value of a truncated episode's final observation
                                                  (the first agent's turn that never came), 0 elsewhere
+* ``active``                       (T, E)        the env played step t (GRPO: an env whose episode ended before
+                                                 its group's did sits out the rest of the round); inactive
+                                                 cells are left out of every sample
 * ``n_words``                      (T, E, N)     words in each decoded reply (for ``normalization_mode=word``)
-* ``advantages, returns``          (T, E, N)     action level, filled by :meth:`compute_advantages`
+* ``advantages, returns``          (T, E, N)     action level, filled by :meth:`compute_advantages` (or
+                                                 :meth:`compute_group_advantages`, critic-free)
 * ``token_values``                 (T, E, N, L)  token-level critic values at sampling time (MARFT-T)
 * ``token_advantages, token_returns`` (T, E, N, L) token level, filled by :meth:`compute_token_advantages`
 """
@@ -24,13 +28,14 @@ from __future__ import annotations
 import torch
 
 from marft.agents.team import TurnOutput
-from marft.algorithms.advantages import agent_chain_gae, token_chain_gae
+from marft.algorithms.advantages import agent_chain_gae, group_relative_advantages, token_chain_gae
 
 
 class RolloutBuffer:
     def __init__(self, episode_length: int, n_envs: int, n_agents: int, max_prompt_len: int, max_new_tokens: int, pad_id: int):
         T, E, N, P, L = episode_length, n_envs, n_agents, max_prompt_len, max_new_tokens
         self.shape = (T, E, N)
+        self.pad_id = pad_id
         self.prompt_ids = torch.full((T, E, N, P), pad_id, dtype=torch.long)
         self.prompt_mask = torch.zeros((T, E, N, P), dtype=torch.long)
         self.response_ids = torch.full((T, E, N, L), pad_id, dtype=torch.long)
@@ -41,6 +46,7 @@ class RolloutBuffer:
         self.terminated = torch.zeros((T, E), dtype=torch.bool)
         self.truncated = torch.zeros((T, E), dtype=torch.bool)
         self.final_values = torch.zeros((T, E))
+        self.active = torch.ones((T, E), dtype=torch.bool)
         self.n_words = torch.zeros((T, E, N))
         self.advantages = torch.zeros((T, E, N))
         self.returns = torch.zeros((T, E, N))
@@ -48,19 +54,24 @@ class RolloutBuffer:
         self.token_advantages = torch.zeros((T, E, N, L))
         self.token_returns = torch.zeros((T, E, N, L))
 
-    def insert_turn(self, step: int, agent: int, turn: TurnOutput) -> None:
-        """Store one agent's turn for all envs; its prompt is right-aligned (left padding kept)."""
+    def insert_turn(self, step: int, agent: int, turn: TurnOutput, envs: torch.Tensor | None = None) -> None:
+        """Store one agent's turn for all envs (or for the envs listed in ``envs``, one per row of ``turn``);
+        its prompt is right-aligned (left padding kept)."""
+        at = slice(None) if envs is None else torch.as_tensor(envs, dtype=torch.long)
         width = turn.prompt_ids.shape[1]
-        self.prompt_ids[step, :, agent, -width:] = turn.prompt_ids.cpu()
-        self.prompt_mask[step, :, agent, -width:] = turn.prompt_mask.cpu()
-        self.prompt_mask[step, :, agent, :-width] = 0
-        self.response_ids[step, :, agent] = turn.response_ids.cpu()
-        self.response_mask[step, :, agent] = turn.response_mask.cpu()
-        self.logprobs[step, :, agent] = turn.logprobs.float().cpu()
-        self.values[step, :, agent] = turn.values.float().cpu()
+        prompt_ids = torch.full((turn.prompt_ids.shape[0], self.prompt_ids.shape[-1]), self.pad_id, dtype=torch.long)  # (B, P)
+        prompt_mask = torch.zeros_like(prompt_ids)
+        prompt_ids[:, -width:], prompt_mask[:, -width:] = turn.prompt_ids.cpu(), turn.prompt_mask.cpu()
+        self.prompt_ids[step, at, agent] = prompt_ids
+        self.prompt_mask[step, at, agent] = prompt_mask
+        self.response_ids[step, at, agent] = turn.response_ids.cpu()
+        self.response_mask[step, at, agent] = turn.response_mask.cpu()
+        self.logprobs[step, at, agent] = turn.logprobs.float().cpu()
+        if turn.values is not None:
+            self.values[step, at, agent] = turn.values.float().cpu()
         if turn.token_values is not None:
-            self.token_values[step, :, agent] = turn.token_values.float().cpu()
-        self.n_words[step, :, agent] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
+            self.token_values[step, at, agent] = turn.token_values.float().cpu()
+        self.n_words[step, at, agent] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
 
     def insert_step(self, step: int, rewards, terminated, truncated) -> None:
         """Rewards ``(E, N)`` and the episode ends ``terminated (E,)``, ``truncated (E,)`` after all agents acted at ``step``."""
@@ -84,6 +95,15 @@ class RolloutBuffer:
             gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=self.truncated, final_values=self.final_values,
         )
 
+    def compute_group_advantages(self, round_length: int, group_size: int, scale: bool) -> int:
+        """Critic-free: every turn's advantage is its episode's group-relative return
+        (:func:`~marft.algorithms.advantages.group_relative_advantages`); ``returns`` hold the episode returns.
+        Returns how many groups had no return variance (their advantages are 0)."""
+        self.advantages, self.returns, zero_variance = group_relative_advantages(
+            self.rewards, self.active, round_length, group_size, scale
+        )
+        return zero_variance
+
     ACTION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
     TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
 
@@ -92,26 +112,28 @@ class RolloutBuffer:
         every tensor gets a leading dim of T·E per agent."""
         agents = [agents] if isinstance(agents, int) else list(agents)
         fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
-        samples = {name: torch.cat([getattr(self, name)[:, :, a].flatten(0, 1) for a in agents]) for name in fields}
+        played = self.active.flatten()  # (T·E,) the turns that were played
+        samples = {name: torch.cat([getattr(self, name)[:, :, a].flatten(0, 1)[played] for a in agents]) for name in fields}
         if not token_level:
-            samples["values"] = torch.cat([self.values[:-1, :, a].flatten(0, 1) for a in agents])
+            samples["values"] = torch.cat([self.values[:-1, :, a].flatten(0, 1)[played] for a in agents])
         return samples
 
     def critic_samples(self, token_level: bool = False) -> dict[str, torch.Tensor]:
         """Every agent turn flattened over (T, E, N): prompts with values and returns
         (token level: also the replies with per-token values and returns)."""
+        played = self.active.unsqueeze(-1).expand(self.shape).flatten()  # (T·E·N,)
         if token_level:
             fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
-            return {name: getattr(self, name).flatten(0, 2) for name in fields}
+            return {name: getattr(self, name).flatten(0, 2)[played] for name in fields}
         return {
-            "prompt_ids": self.prompt_ids.flatten(0, 2),
-            "prompt_mask": self.prompt_mask.flatten(0, 2),
-            "values": self.values[:-1].flatten(0, 2),
-            "returns": self.returns.flatten(0, 2),
+            "prompt_ids": self.prompt_ids.flatten(0, 2)[played],
+            "prompt_mask": self.prompt_mask.flatten(0, 2)[played],
+            "values": self.values[:-1].flatten(0, 2)[played],
+            "returns": self.returns.flatten(0, 2)[played],
         }
 
 
-RESPONSE_FIELDS = ("response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
+RESPONSE_FIELDS = ("response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns", "ref_logprobs")
 
 
 def trim_batch(samples: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:

@@ -4,7 +4,7 @@ Layout of one checkpoint::
 
     steps_<N>/
       <adapter>/adapter_model.safetensors, adapter_config.json   # one PEFT folder per role (and ``critic``)
-      value_head.safetensors                                     # the critic's value head
+      value_head.safetensors                                     # the critic's value head (not in critic-free runs)
       optimizers.pt                                              # optimizer states and counters (tensors, numbers)
       trainer_state.json                                         # iteration, env steps, roles, counters, RNG states
                                                                  # (python, numpy, torch), every env's np_random and
@@ -35,7 +35,7 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from marft.agents.team import CRITIC_ADAPTER, AgentTeam
+from marft.agents.team import AgentTeam
 from marft.faults import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -102,9 +102,10 @@ def save_checkpoint(
     tmp = checkpoint_root / f".steps_{step}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for adapter in team.policy_adapters + [CRITIC_ADAPTER]:
+    for adapter in team.adapters:
         team.model.save_pretrained(tmp, selected_adapters=[adapter])
-    save_file({k: v.detach().cpu().contiguous() for k, v in team.value_head.state_dict().items()}, tmp / "value_head.safetensors")
+    if team.has_critic:
+        save_file({k: v.detach().cpu().contiguous() for k, v in team.value_head.state_dict().items()}, tmp / "value_head.safetensors")
     torch.save(trainer.state_dict(), tmp / "optimizers.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "rng": rng_state()}))
     (tmp / "config.json").write_text(config_json)
@@ -127,7 +128,8 @@ def save_checkpoint(
 def nonfinite_parameters(team: AgentTeam) -> list[str]:
     """Names of the trainable weights (adapters, value head) holding a NaN or inf."""
     bad = [n for n, p in team.model.named_parameters() if "lora_" in n and not torch.isfinite(p).all()]
-    return bad + [f"value_head.{n}" for n, p in team.value_head.named_parameters() if not torch.isfinite(p).all()]
+    head = team.value_head.named_parameters() if team.has_critic else []
+    return bad + [f"value_head.{n}" for n, p in head if not torch.isfinite(p).all()]
 
 
 def read_checkpoint_meta(path: str | Path) -> tuple[dict, dict]:
@@ -157,18 +159,21 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
     path = Path(path)
     _, state = read_checkpoint_meta(path)
     adapters = {}
-    for adapter in team.policy_adapters + [CRITIC_ADAPTER]:
+    for adapter in team.adapters:
         weights = path / adapter / "adapter_model.safetensors"
         if not weights.is_file():
             raise CheckpointError(f"checkpoint {path} has no adapter {adapter!r} ({weights} missing): was it saved by a different team?")
         adapters[adapter] = _read(weights, lambda f: load_file(f, device=str(team.device)))
-    value_head = _read(path / "value_head.safetensors", lambda f: load_file(f, device=str(team.device)))
+    if team.has_critic and not (path / "value_head.safetensors").is_file():
+        raise CheckpointError(f"checkpoint {path} has no critic (value_head.safetensors): it was saved by a critic-free run (GRPO)")
+    value_head = _read(path / "value_head.safetensors", lambda f: load_file(f, device=str(team.device))) if team.has_critic else None
     optimizers = _read(path / "optimizers.pt", lambda f: torch.load(f, map_location=team.device, weights_only=True))
     for adapter, weights in adapters.items():
         result = set_peft_model_state_dict(team.model, weights, adapter_name=adapter)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{path / adapter / 'adapter_model.safetensors'} holds weights this model does not have: {result.unexpected_keys[:3]}")
-    _apply(path / "value_head.safetensors", lambda: team.value_head.load_state_dict(value_head))
+    if team.has_critic:
+        _apply(path / "value_head.safetensors", lambda: team.value_head.load_state_dict(value_head))
     _apply(path / "optimizers.pt", lambda: trainer.load_state_dict(optimizers))
     _apply(path / "trainer_state.json", lambda: set_rng_state(state.pop("rng")))
     return state

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
-from marft.envs.base import PRIVATE_KEY
+from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.runner.shared.checkpoint import (
@@ -77,6 +77,8 @@ class Runner:
         self.env_steps = 0  # all processes together
         self.obs, _ = envs.reset(seed=config.runner.seed + dist.rank * envs.n_envs)  # rank r's env k: seed + r * E/P + k
         self.episode_returns = np.zeros(envs.n_envs)  # running team return per env
+        if trainer.group_relative:
+            trainer.round_length = config.env.horizon  # one group episode per env per round of `horizon` steps
 
     def _open_writer(self, purge_step: int | None = None):
         """TensorBoard on rank 0; a writer that drops everything on the other processes."""
@@ -85,29 +87,56 @@ class Runner:
         return SummaryWriter(str(self.run_dir / "logs"), purge_step=purge_step)
 
     # ------------------------------------------------------------------ rollout
-    def collect(self) -> tuple[RolloutBuffer, dict]:
+    def collect(self, iteration: int = 0) -> tuple[RolloutBuffer, dict]:
         """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer."""
         with self.team.frozen_adapters():  # role headers run once per rollout
-            return self._collect()
+            return self._collect(iteration)
 
-    def _collect(self) -> tuple[RolloutBuffer, dict]:
-        rc, team = self.config.runner, self.team
+    def _start_group_round(self, iteration: int, round_index: int) -> None:
+        """Reset every env for a round of group episodes (critic-free trainers): envs ``g·G .. g·G + G - 1`` get
+        one task, different groups different tasks (while there are enough), drawn from ``(seed, rank, iteration,
+        round)`` alone, so a resumed run draws the same tasks."""
+        G, E = self.config.algo.group_size, self.envs.n_envs
+        rng = np.random.default_rng([self.config.runner.seed, self.dist.rank, iteration, round_index])
+        n_tasks = self.envs.num_tasks
+        tasks = rng.choice(n_tasks, size=E // G, replace=E // G > n_tasks).repeat(G)  # (E,)
+        self.obs, _ = self.envs.reset(options=[{TASK_INDEX: int(task)} for task in tasks])
+        self.episode_returns[:] = 0.0
+
+    def _collect(self, iteration: int) -> tuple[RolloutBuffer, dict]:
+        rc, team, trainer = self.config.runner, self.team, self.trainer
         T, E, N = rc.episode_length, self.envs.n_envs, team.n_agents  # this process's envs
         buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id)
         finished_returns, finished_correct, tokens = [], [], 0
+        horizon = self.config.env.horizon
+        live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
         start = time.perf_counter()
         for step in range(T):
-            # 1. every agent replies in turn on every env (the critic values each turn)
-            outs = team.play_step(self.obs, self.envs.private_observations, token_values=self.trainer.token_level)
+            if trainer.group_relative and step % horizon == 0:  # a new round: every group starts one episode
+                self._start_group_round(iteration, step // horizon)
+                live[:] = True
+            buffer.active[step] = torch.as_tensor(live)
+            if not live.any():
+                continue
+            rows = np.flatnonzero(live)  # every env, except in a round whose episodes ended early
+            # 1. every agent replies in turn on every env (the critic, if any, values each turn)
+            outs = team.play_step(
+                [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
+                with_values=trainer.uses_critic, token_values=trainer.token_level,
+            )
             for agent, out in enumerate(outs):
-                buffer.insert_turn(step, agent, out)
+                buffer.insert_turn(step, agent, out, envs=None if live.all() else rows)
                 tokens += int(out.response_mask.sum())
             # 2. the envs judge the replies; finished episodes restart in the same call
-            actions = [[out.texts[e] for out in outs] for e in range(E)]  # (E, N) replies
-            self.obs, rewards, terminated, truncated, infos = self.envs.step(actions)
+            actions: list = [None] * E
+            for j, e in enumerate(rows):
+                actions[e] = [out.texts[j] for out in outs]  # (N,) replies of env e
+            self.obs, rewards, terminated, truncated, infos = self.envs.step(actions, active=None if live.all() else live)
             buffer.insert_step(step, rewards, terminated, truncated)
-            if truncated.any():  # a truncated episode bootstraps from its final observation's value
+            if truncated.any() and trainer.uses_critic:  # a truncated episode bootstraps from its final observation's value
                 buffer.final_values[step] = self._final_values(infos, truncated)
+            if trainer.group_relative:  # an env whose episode ended sits out the rest of its round
+                live &= ~(terminated | truncated)
             self.episode_returns += np.asarray(rewards, dtype=np.float64).mean(-1)
             for e in np.flatnonzero(terminated | truncated):
                 finished_returns.append(self.episode_returns[e])
@@ -115,7 +144,7 @@ class Runner:
                 if "correct" in final_info and final_info["_correct"][e]:
                     finished_correct.append(float(final_info["correct"][e]))
                 self.episode_returns[e] = 0.0
-        if not buffer.dones[T - 1].all():  # the value of the first agent's next turn bootstraps unfinished episodes
+        if trainer.uses_critic and not buffer.dones[T - 1].all():  # the value of the first agent's next turn bootstraps unfinished episodes
             with torch.no_grad():
                 private = [texts[0] for texts in self.envs.private_observations]
                 prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
@@ -158,7 +187,7 @@ class Runner:
     def _evaluate(self, n_episodes: int | None, make_env: Callable) -> dict[str, float]:
         """Play held-out episodes with the current team (sampling as in training).
 
-        Environments that expose ``num_problems`` are evaluated on problems ``k % num_problems``
+        Environments that set ``num_tasks`` are evaluated on tasks ``k % num_tasks``
         for episodes ``k = 0..n-1`` (more episodes than problems revisit them with fresh samples,
         which lowers the variance of the estimate); others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
         whose last step was correct, when the env reports ``correct``) and mean team ``return``.
@@ -173,7 +202,7 @@ class Runner:
         for first in range(0, len(episodes), len(envs)):
             batch = episodes[first : first + len(envs)]
             obs, infos = zip(*[
-                env.reset(seed=rc.seed + 1_000_000 + k, options={"problem_index": k % env.num_problems} if hasattr(env, "num_problems") else None)
+                env.reset(seed=rc.seed + 1_000_000 + k, options={TASK_INDEX: k % env.unwrapped.num_tasks} if env.unwrapped.num_tasks else None)
                 for env, k in zip(envs, batch)
             ])
             obs = list(obs)
@@ -304,7 +333,7 @@ class Runner:
         bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         for iteration in bar:
             start = time.perf_counter()
-            buffer, stats = self.collect()
+            buffer, stats = self.collect(iteration)
             self.trainer.compute_advantages(buffer)
             metrics = self._update(buffer, iteration)
             stats["charts/iteration_seconds"] = time.perf_counter() - start
