@@ -38,6 +38,8 @@ class ModelConfig:
     """Number of agents in the team; must match the profile."""
     shared_lora: bool = False
     """Give all agents one shared LoRA adapter instead of one adapter per agent."""
+    critic_mode: str = "shared"
+    """shared: one centralized critic adapter and value head values every agent's turns (CTDE); per_agent: one critic adapter and value head per agent, each trained on its own agent's turns only (all on the one base model). Critic-free trainers (GRPO) build none."""
     lora_r: int = 8
     """LoRA rank of every adapter (agents and critic)."""
     lora_alpha: int = 16
@@ -75,6 +77,7 @@ class ModelConfig:
         if self.temperature <= 0:
             raise ValueError(f"--temperature must be positive, got {self.temperature}")
         check_choice("dtype", self.dtype)
+        check_choice("critic_mode", self.critic_mode)
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.top_k < 0:
@@ -276,7 +279,14 @@ class TrainConfig:
 
 SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner": RunnerConfig}
 
-CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES}
+CRITIC_MODES = {
+    "shared": "one centralized critic for every agent",
+    "per_agent": "one critic adapter and value head per agent",
+}
+"""``--critic_mode`` → what it builds (the one table of modes)."""
+
+CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
+                            "critic_mode": CRITIC_MODES}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

@@ -75,6 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_mini_batch", type=int, default=1)
     p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
+    p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
     p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
     p.add_argument("--kl_coef", type=float, default=0.0, help=field_docs(AlgoConfig)["kl_coef"])
     p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
@@ -132,7 +133,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
         model=ModelConfig(
             model_name_or_path=model_path(args), profile_path=PROFILES[args.n_agents], n_agents=args.n_agents,
             max_new_tokens=args.max_new_tokens, context_window=args.context_window,
-            device=args.device, dtype=args.dtype,
+            device=args.device, dtype=args.dtype, critic_mode=args.critic_mode,
         ),
         env=EnvConfig(env_name=args.env_name, horizon=args.horizon),
         algo=AlgoConfig(

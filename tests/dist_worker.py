@@ -93,7 +93,7 @@ def update_cases(model_dir: str, out_dir: Path, dist) -> dict:
             kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
             trainer.config.lr = trainer.config.critic_lr = lr  # load_state_dict sets the config's learning rates
             trainer.policy_optimizers = {a: kind(team.adapter_parameters(a), lr=lr) for a in team.policy_adapters}
-            trainer.critic_optimizer = kind(team.critic_parameters(), lr=lr)
+            trainer.critic_optimizers = {c: kind(team.critic_parameters(c), lr=lr) for c in team.critic_adapters}
             optimizers = copy.deepcopy(trainer.state_dict())
             trainer.dist = SINGLE  # the reference: one process, the whole batch
             torch.manual_seed(1)

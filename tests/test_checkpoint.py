@@ -72,6 +72,15 @@ def test_resume_is_exact(random_model_dir, tmp_path, algorithm, interval):
     extra = ("--algorithm_name", algorithm, "--agent_iteration_interval", str(interval * E))  # env steps: every `interval` iterations
     if algorithm == "GRPO":  # one group of both envs; whole episodes per iteration (one step each)
         extra += ("--group_size", str(E), "--horizon", "1")
+    check_resume_is_exact(random_model_dir, tmp_path, extra)
+
+
+@pytest.mark.parametrize("algorithm", ["APPO", "TPPO"])
+def test_resume_is_exact_with_per_agent_critics_and_a_reference_kl(random_model_dir, tmp_path, algorithm):
+    check_resume_is_exact(random_model_dir, tmp_path, ("--algorithm_name", algorithm, "--critic_mode", "per_agent", "--kl_coef", "0.1"))
+
+
+def check_resume_is_exact(random_model_dir, tmp_path, extra):
     one_go, stopped = tmp_path / "one_go", tmp_path / "stopped"
     assert main(flags(random_model_dir, 2 * N, one_go, *extra)) == 0
     assert main(flags(random_model_dir, N, stopped, *extra)) == 0

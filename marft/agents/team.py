@@ -144,10 +144,18 @@ class AgentTeam(nn.Module):
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         roles = [adapter_name_for(spec.role) for spec in self.profile]
-        if len(set(roles)) != len(roles) or CRITIC_ADAPTER in roles:
+        if len(set(roles)) != len(roles) or any(r == CRITIC_ADAPTER or r.startswith(CRITIC_ADAPTER + "_") for r in roles):
             roles = [f"agent{i}_{r}" for i, r in enumerate(roles)]
         self.agent_adapters = [SHARED_ADAPTER] * len(roles) if config.shared_lora else roles
         self.policy_adapters = list(dict.fromkeys(self.agent_adapters))
+        if not with_critic:
+            self.agent_critics: list[str] = []
+        elif config.critic_mode == "per_agent":
+            self.agent_critics = [f"{CRITIC_ADAPTER}_{r}" for r in roles]
+        else:
+            self.agent_critics = [CRITIC_ADAPTER] * len(roles)
+        """Per agent, the critic adapter that values its turns (``critic``, or ``critic_<role>`` per agent; none without a critic)."""
+        self.critic_adapters = list(dict.fromkeys(self.agent_critics))
 
         target = config.lora_target_modules
         lora = LoraConfig(
@@ -160,7 +168,7 @@ class AgentTeam(nn.Module):
         for p in base_model.parameters():
             p.requires_grad_(False)
         self.model = get_peft_model(base_model, lora, adapter_name=self.policy_adapters[0])
-        for name in self.policy_adapters[1:] + ([CRITIC_ADAPTER] if with_critic else []):
+        for name in self.policy_adapters[1:] + self.critic_adapters:
             self.model.add_adapter(name, lora)
         self._lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         self._lora_dropouts = [m for layer in self._lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
@@ -176,12 +184,14 @@ class AgentTeam(nn.Module):
             self._checkpointed_layers = [m for m in base_model.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.model.eval()  # new LoRA modules start in train mode: dropout stays off outside lora_dropout_active()
         self._device = base_model.device
-        self.value_head = None
-        if with_critic:
-            hidden = base_model.config.get_text_config().hidden_size
-            self.value_head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
-            nn.init.normal_(self.value_head.weight, std=1.0 / hidden)
-            nn.init.zeros_(self.value_head.bias)
+        self.value_heads = nn.ModuleDict()
+        """Per critic adapter, its linear value head on the last hidden state."""
+        hidden = base_model.config.get_text_config().hidden_size
+        for critic in self.critic_adapters:
+            head = nn.Linear(hidden, 1, device=base_model.device, dtype=torch.float32)
+            nn.init.normal_(head.weight, std=1.0 / hidden)
+            nn.init.zeros_(head.bias)
+            self.value_heads[critic] = head
         self.generation_config = GenerationConfig(
             do_sample=True,
             temperature=config.temperature,
@@ -219,16 +229,32 @@ class AgentTeam(nn.Module):
         (:func:`adapter_of`; not by ``requires_grad``, not by substring)."""
         return [p for n, p in self.model.named_parameters() if adapter_of(n) == adapter]
 
-    def critic_parameters(self) -> list[nn.Parameter]:
-        """The critic's adapter and value head (none in a critic-free team)."""
-        if not self.has_critic:
-            return []
-        return self.adapter_parameters(CRITIC_ADAPTER) + list(self.value_head.parameters())
+    def critic_parameters(self, critic: str | None = None) -> list[nn.Parameter]:
+        """One critic's adapter and value head, or every critic's (none in a critic-free team)."""
+        return [p for c in ([critic] if critic else self.critic_adapters) for p in self.adapter_parameters(c) + list(self.value_heads[c].parameters())]
+
+    @property
+    def value_head(self) -> nn.Linear | None:
+        """The shared critic's value head (``--critic_mode shared``), else None."""
+        return self.value_heads[CRITIC_ADAPTER] if CRITIC_ADAPTER in self.value_heads else None
+
+    def critic_agents(self, critic: str) -> list[int]:
+        """The agents whose turns ``critic`` values."""
+        return [agent for agent, c in enumerate(self.agent_critics) if c == critic]
+
+    def _critic_for(self, agent: int | None, critic: str | None) -> str:
+        if critic is not None:
+            return critic
+        if agent is not None:
+            return self.agent_critics[agent]
+        if len(self.critic_adapters) != 1:
+            raise ValueError(f"say which critic values these prompts: the team has {self.critic_adapters}")
+        return self.critic_adapters[0]
 
     @property
     def adapters(self) -> list[str]:
-        """Every adapter of the team: the policies', then the critic's when there is one."""
-        return self.policy_adapters + ([CRITIC_ADAPTER] if self.has_critic else [])
+        """Every adapter of the team: the policies', then the critics'."""
+        return self.policy_adapters + self.critic_adapters
 
     def set_active(self, adapter: str | None, trainable: bool = False) -> None:
         """Route forward passes through ``adapter``; only its parameters require grad when ``trainable``.
@@ -241,8 +267,8 @@ class AgentTeam(nn.Module):
             self.route(adapter)
         for name, p in self.model.named_parameters():
             p.requires_grad_(trainable and adapter is not None and adapter_of(name) == adapter)
-        if self.value_head is not None:
-            self.value_head.requires_grad_(trainable and adapter == CRITIC_ADAPTER)
+        for critic, head in self.value_heads.items():
+            head.requires_grad_(trainable and adapter == critic)
 
     def route(self, adapter: str) -> None:
         """Make ``adapter`` the one every LoRA layer applies, leaving ``requires_grad`` alone (see :meth:`set_active`).
@@ -447,14 +473,15 @@ class AgentTeam(nn.Module):
         response_ids: torch.Tensor | None = None,
         response_mask: torch.Tensor | None = None,
         agent: int | None = None,
+        critic: str | None = None,
     ) -> torch.Tensor:
-        """The critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H).
+        """A critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H).
 
-        With ``agent``, the prompts are that agent's: its role header is run once for the batch and the
-        B prompts cost only what comes after it. S may then be shorter than P + L, but the last columns
-        are the same positions either way: index from the end.
+        With ``agent``, the prompts are that agent's: its critic runs them (unless ``critic`` names one), its
+        role header is run once for the batch and the B prompts cost only what comes after it. S may then be
+        shorter than P + L, but the last columns are the same positions either way: index from the end.
         """
-        self.route(CRITIC_ADAPTER)
+        self.route(self._critic_for(agent, critic))
         cache = None
         if agent is not None:
             cache, prompt_ids, prompt_mask = self.behind_shared_headers([(agent, prompt_ids, prompt_mask)])
@@ -473,12 +500,14 @@ class AgentTeam(nn.Module):
             past_key_values=cache, use_cache=cache is not None,
         ).last_hidden_state
 
-    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> torch.Tensor:
-        """Centralized critic: V(prompt) from the last prompt token's hidden state. (B, P) → (B,).
+    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None, critic: str | None = None) -> torch.Tensor:
+        """V(prompt) from the last prompt token's hidden state. (B, P) → (B,).
 
-        ``agent``: the prompts are that agent's, so its role header is run once for the batch."""
-        hidden = self.critic_states(prompt_ids, prompt_mask, agent=agent)  # (B, S, H)
-        return self.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
+        ``agent``: the prompts are that agent's (valued by its critic; its role header is run once for the
+        batch); ``critic``: the critic to use on prompts of any agents (needed with per-agent critics)."""
+        critic = self._critic_for(agent, critic)
+        hidden = self.critic_states(prompt_ids, prompt_mask, agent=agent, critic=critic)  # (B, S, H)
+        return self.value_heads[critic](hidden[:, -1].float()).squeeze(-1)  # (B,)
 
     def token_values(
         self,
@@ -487,14 +516,16 @@ class AgentTeam(nn.Module):
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
         agent: int | None = None,
+        critic: str | None = None,
     ) -> torch.Tensor:
         """Token-level critic: the value before each reply token, from the exact sampled ids.
 
         ``[:, 0]`` equals :meth:`values` of the prompt. (B, P), (B, L) → (B, L), zero at padding.
         """
         L = response_ids.shape[1]
-        hidden = self.critic_states(prompt_ids, prompt_mask, response_ids, response_mask, agent)[:, -L - 1 : -1]  # (B, L, H): before token t
-        return self.value_head(hidden.float()).squeeze(-1) * response_mask  # (B, L)
+        critic = self._critic_for(agent, critic)
+        hidden = self.critic_states(prompt_ids, prompt_mask, response_ids, response_mask, agent, critic)[:, -L - 1 : -1]  # (B, L, H): before token t
+        return self.value_heads[critic](hidden.float()).squeeze(-1) * response_mask  # (B, L)
 
     @torch.no_grad()
     def generate(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None):
@@ -576,19 +607,23 @@ class AgentTeam(nn.Module):
         with ``token_values``, ``token_values (B, L)``.
 
         One forward for every agent's role header and one for all N x B prompts (and replies) behind them:
-        the critic's cost per step does not grow in forward calls with the team size."""
-        self.route(CRITIC_ADAPTER)
-        cache, ids, mask = self.behind_shared_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in enumerate(turns)])  # (N*B, Hmax + S)
-        L = turns[0].response_ids.shape[1] if token_values else 0
-        if token_values:
-            ids = torch.cat([ids, torch.cat([t.response_ids for t in turns])], dim=1)  # (N*B, Hmax + S + L)
-            mask = torch.cat([mask, torch.cat([t.response_mask for t in turns])], dim=1)
-        hidden = self._decoder_states(cache, ids, mask)  # (N*B, S + L, H)
-        values = self.value_head(hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (N*B, L + 1): before each reply token, then after
-        for turn, rows in zip(turns, values.split([len(t.prompt_ids) for t in turns])):
-            turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)
+        the critic's cost per step does not grow in forward calls with the team size (per-agent critics:
+        one such pair per critic, over its agent's turns)."""
+        for critic in self.critic_adapters:
+            agents = self.critic_agents(critic)
+            mine = [turns[a] for a in agents]
+            self.route(critic)
+            cache, ids, mask = self.behind_shared_headers([(a, turns[a].prompt_ids, turns[a].prompt_mask) for a in agents])  # (n*B, Hmax + S)
+            L = mine[0].response_ids.shape[1] if token_values else 0
             if token_values:
-                turn.token_values = rows[:, :L] * turn.response_mask  # (B, L)
+                ids = torch.cat([ids, torch.cat([t.response_ids for t in mine])], dim=1)  # (n*B, Hmax + S + L)
+                mask = torch.cat([mask, torch.cat([t.response_mask for t in mine])], dim=1)
+            hidden = self._decoder_states(cache, ids, mask)  # (n*B, S + L, H)
+            values = self.value_heads[critic](hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (n*B, L + 1): before each reply token, then after
+            for turn, rows in zip(mine, values.split([len(t.prompt_ids) for t in mine])):
+                turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)
+                if token_values:
+                    turn.token_values = rows[:, :L] * turn.response_mask  # (B, L)
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]

@@ -20,7 +20,7 @@ from collections import defaultdict
 
 import torch
 
-from marft.agents.team import AgentTeam
+from marft.agents.team import CRITIC_ADAPTER, AgentTeam
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
@@ -49,14 +49,21 @@ class APPOTrainer:
             adapter: torch.optim.AdamW(team.adapter_parameters(adapter), lr=config.lr, weight_decay=0.0)
             for adapter in team.policy_adapters
         }
-        self.critic_optimizer = (
-            torch.optim.AdamW(team.critic_parameters(), lr=config.critic_lr, weight_decay=0.0) if self.uses_critic else None
-        )
+        self.critic_optimizers = {
+            critic: torch.optim.AdamW(team.critic_parameters(critic), lr=config.critic_lr, weight_decay=0.0)
+            for critic in (team.critic_adapters if self.uses_critic else [])
+        }
+        """Per critic adapter (one shared, or one per agent with ``--critic_mode per_agent``), its optimizer."""
         self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0, "constant_reward_batches": 0}
-        self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, *(["critic"] if self.uses_critic else [])]}
+        self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, *self.critic_optimizers]}
         """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
         self.iteration = 0
         """The 0-based iteration being updated (for messages)."""
+
+    @property
+    def critic_optimizer(self):
+        """The shared critic's optimizer (None with per-agent critics or none)."""
+        return self.critic_optimizers.get(CRITIC_ADAPTER)
 
     # ------------------------------------------------------------------ schedule
     def agents_to_train(self, iteration: int) -> list[int]:
@@ -161,10 +168,10 @@ class APPOTrainer:
         self.counters["out_of_topk_tokens"] += scores.out_of_topk
         return scores.logprobs, scores.entropy
 
-    def value_loss(self, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Clipped value loss of the prompt values."""
+    def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
+        """Clipped value loss of the prompt values under ``critic`` (default: the shared one)."""
         cfg = self.config
-        values = self.team.values(mb["prompt_ids"], mb["prompt_mask"])  # (B,)
+        values = self.team.values(mb["prompt_ids"], mb["prompt_mask"], critic=critic)  # (B,)
         return clipped_value_loss(values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
 
     # ------------------------------------------------------------------ update
@@ -183,7 +190,9 @@ class APPOTrainer:
             agents = []
         out_of_topk = self.counters["out_of_topk_tokens"]
         with self.team.lora_dropout_active():
-            metrics = self.update_critic(buffer.critic_samples(self.token_level)) if self.uses_critic else {}
+            metrics = {}
+            for critic in self.critic_optimizers:  # the shared critic on every turn, or each agent's critic on its own
+                metrics.update(self.update_critic(buffer.critic_samples(self.token_level, self.team.critic_agents(critic)), critic))
             for adapter, agents in self.adapter_groups(agents).items():
                 samples = buffer.agent_samples(agents, self.token_level)
                 label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
@@ -274,29 +283,29 @@ class APPOTrainer:
                 break
         return {key: _nanmean(values) for key, values in stats.items()}
 
-    def update_critic(self, samples: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Value-loss epochs over every agent turn (the centralized critic sees all agents).
+    def update_critic(self, samples: dict[str, torch.Tensor], critic: str = CRITIC_ADAPTER) -> dict[str, float]:
+        """Value-loss epochs of ``critic`` over the turns it values (the centralized critic: every agent's).
 
-        The critic has N times as many turns as one agent; its minibatches are cut into N times as many
-        chunks, so a forward/backward chunk holds as many turns as an agent's and peak memory does not
-        grow with the team size."""
+        A critic of n agents has n times as many turns as one agent; its minibatches are cut into n times as
+        many chunks, so a forward/backward chunk holds as many turns as an agent's and peak memory does not
+        grow with the team size. Metrics are tagged ``critic/...`` (shared) or ``critic_<role>/...``."""
         cfg, team = self.config, self.team
-        params = team.critic_parameters()
-        team.set_active("critic", trainable=True)
+        params = team.critic_parameters(critic)
+        team.set_active(critic, trainable=True)
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * team.n_agents):
+            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic_agents(critic))):
                 loss_ok = True
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
-                    value_loss = self.value_loss(mb)
+                    value_loss = self.value_loss(mb, critic)
                     loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)
                     if not torch.isfinite(loss):
                         loss_ok = False
                         break
                     loss.backward()
                     stats["value_loss"].append(value_loss.item())
-                stats["grad_norm"].append(self._step(self.critic_optimizer, params, loss_ok, "critic"))
+                stats["grad_norm"].append(self._step(self.critic_optimizers[critic], params, loss_ok, critic))
         if self.token_level:
             real = samples["response_mask"].bool()
             returns, values = samples["token_returns"][real], samples["token_values"][real]
@@ -304,9 +313,9 @@ class APPOTrainer:
             returns, values = samples["returns"], samples["values"]
         explained = self._explained_variance(returns, values)
         return {
-            "critic/value_loss": _nanmean(stats["value_loss"]),
-            "critic/grad_norm": _nanmean(stats["grad_norm"]),
-            "critic/explained_variance": float(explained),
+            f"{critic}/value_loss": _nanmean(stats["value_loss"]),
+            f"{critic}/grad_norm": _nanmean(stats["grad_norm"]),
+            f"{critic}/explained_variance": float(explained),
         }
 
     def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor) -> float:
@@ -325,8 +334,10 @@ class APPOTrainer:
             "counters": dict(self.counters),
             "consecutive_skips": dict(self.consecutive_skips),
         }
-        if self.critic_optimizer is not None:
+        if self.critic_optimizer is not None:  # the shared critic: the key every earlier checkpoint has
             state["critic_optimizer"] = self.critic_optimizer.state_dict()
+        elif self.critic_optimizers:
+            state["critic_optimizers"] = {c: opt.state_dict() for c, opt in self.critic_optimizers.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -336,9 +347,10 @@ class APPOTrainer:
             opt.load_state_dict(state["policy_optimizers"][adapter])
             for group in opt.param_groups:
                 group["lr"] = self.config.lr
-        if self.critic_optimizer is not None:
-            self.critic_optimizer.load_state_dict(state["critic_optimizer"])
-            for group in self.critic_optimizer.param_groups:
+        saved = {CRITIC_ADAPTER: state["critic_optimizer"]} if "critic_optimizer" in state else state.get("critic_optimizers", {})
+        for critic, opt in self.critic_optimizers.items():
+            opt.load_state_dict(saved[critic])
+            for group in opt.param_groups:
                 group["lr"] = self.config.critic_lr
         self.counters.update(state.get("counters", {}))
         self.consecutive_skips.update(state.get("consecutive_skips", {}))

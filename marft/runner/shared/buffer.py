@@ -118,10 +118,12 @@ class RolloutBuffer:
             samples["values"] = torch.cat([self.values[:-1, :, a].flatten(0, 1)[played] for a in agents])
         return samples
 
-    def critic_samples(self, token_level: bool = False) -> dict[str, torch.Tensor]:
-        """Every agent turn flattened over (T, E, N): prompts with values and returns
-        (token level: also the replies with per-token values and returns)."""
-        played = self.active.unsqueeze(-1).expand(self.shape).flatten()  # (T·E·N,)
+    def critic_samples(self, token_level: bool = False, agents: list[int] | None = None) -> dict[str, torch.Tensor]:
+        """Every agent turn (or the turns of ``agents``, for a per-agent critic) flattened over (T, E, N):
+        prompts with values and returns (token level: also the replies with per-token values and returns)."""
+        keep = torch.zeros(self.shape[-1], dtype=torch.bool)
+        keep[agents if agents is not None else slice(None)] = True
+        played = (self.active.unsqueeze(-1) & keep).flatten()  # (T·E·N,)
         if token_level:
             fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
             return {name: getattr(self, name).flatten(0, 2)[played] for name in fields}

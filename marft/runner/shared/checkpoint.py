@@ -35,7 +35,7 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from marft.agents.team import AgentTeam
+from marft.agents.team import CRITIC_ADAPTER, AgentTeam
 from marft.faults import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def save_checkpoint(
     for adapter in team.adapters:
         team.model.save_pretrained(tmp, selected_adapters=[adapter])
     if team.has_critic:
-        save_file({k: v.detach().cpu().contiguous() for k, v in team.value_head.state_dict().items()}, tmp / "value_head.safetensors")
+        save_file({k: v.detach().cpu().contiguous() for k, v in value_head_state(team).items()}, tmp / "value_head.safetensors")
     torch.save(trainer.state_dict(), tmp / "optimizers.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "rng": rng_state()}))
     (tmp / "config.json").write_text(config_json)
@@ -128,8 +128,22 @@ def save_checkpoint(
 def nonfinite_parameters(team: AgentTeam) -> list[str]:
     """Names of the trainable weights (adapters, value head) holding a NaN or inf."""
     bad = [n for n, p in team.model.named_parameters() if "lora_" in n and not torch.isfinite(p).all()]
-    head = team.value_head.named_parameters() if team.has_critic else []
-    return bad + [f"value_head.{n}" for n, p in head if not torch.isfinite(p).all()]
+    return bad + [f"value_head.{n}" for n, p in team.value_heads.named_parameters() if not torch.isfinite(p).all()]
+
+
+def value_head_state(team: AgentTeam) -> dict[str, torch.Tensor]:
+    """The critics' value heads as saved: ``weight``, ``bias`` for the shared critic (the format of every
+    earlier checkpoint), ``<critic>.weight``, ``<critic>.bias`` per critic with per-agent critics."""
+    state = team.value_heads.state_dict()
+    if team.critic_adapters == [CRITIC_ADAPTER]:
+        return {k.removeprefix(CRITIC_ADAPTER + "."): v for k, v in state.items()}
+    return state
+
+
+def load_value_head_state(team: AgentTeam, state: dict[str, torch.Tensor]) -> None:
+    if team.critic_adapters == [CRITIC_ADAPTER]:
+        state = {f"{CRITIC_ADAPTER}.{k}": v for k, v in state.items()}
+    team.value_heads.load_state_dict(state)
 
 
 def read_checkpoint_meta(path: str | Path) -> tuple[dict, dict]:
@@ -173,7 +187,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{path / adapter / 'adapter_model.safetensors'} holds weights this model does not have: {result.unexpected_keys[:3]}")
     if team.has_critic:
-        _apply(path / "value_head.safetensors", lambda: team.value_head.load_state_dict(value_head))
+        _apply(path / "value_head.safetensors", lambda: load_value_head_state(team, value_head))
     _apply(path / "optimizers.pt", lambda: trainer.load_state_dict(optimizers))
     _apply(path / "trainer_state.json", lambda: set_rng_state(state.pop("rng")))
     return state
@@ -235,7 +249,7 @@ def prune_checkpoints(checkpoint_root: Path, keep: int) -> list[Path]:
 
 # ---------------------------------------------------------------------- resuming with a config
 FIXED_FIELDS = {
-    "model": ("model_name_or_path", "n_agents", "shared_lora", "lora_r", "lora_alpha", "lora_target_modules"),
+    "model": ("model_name_or_path", "n_agents", "shared_lora", "critic_mode", "lora_r", "lora_alpha", "lora_target_modules"),
 }
 """Flags that cannot change on resume: they decide which adapters exist and their shapes (roles are checked too)."""
 NOT_INHERITED = ("load_path", "output_dir")
