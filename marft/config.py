@@ -23,6 +23,7 @@ from typing import Any, Optional, get_type_hints
 
 from marft.agents.dtypes import DTYPES
 from marft.algorithms import TRAINERS
+from marft.algorithms.advantages import CREDIT_MODES
 from marft.algorithms.losses import NORMALIZATION_MODES
 
 
@@ -112,6 +113,10 @@ class AlgoConfig:
     """GRPO: complete team episodes of the same task per group (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
     grpo_scale_rewards: bool = True
     """GRPO: divide each group's centred returns by the group's standard deviation (false: centre only)."""
+    credit_assignment: str = "env"
+    """How the environment's rewards become each turn's credit: env (as they are, into the agent chain, where a reward also flows back to earlier turns; the original MARFT), equal (every turn of a team step gets the team reward), step_discount (turn n of K gets R x credit_discount^(K-1-n)) or per_step (each turn its own agent's reward). With a critic, each turn's return within its team step is exactly its credit; with GRPO, each agent's turns are compared within the group by their credits."""
+    credit_discount: float = 0.9
+    """step_discount: the factor per turn between a turn's credit and the next turn's."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (the base model, adapters off): the k3 estimator per reply token, added to the policy loss (0: none, no reference forward)."""
     lr: float = 1e-3
@@ -162,6 +167,9 @@ class AlgoConfig:
     def __post_init__(self):
         check_choice("algorithm_name", self.algorithm_name)
         check_choice("normalization_mode", self.normalization_mode)
+        check_choice("credit_assignment", self.credit_assignment)
+        if not 0.0 < self.credit_discount <= 1.0:
+            raise ValueError(f"--credit_discount must be in (0, 1], got {self.credit_discount}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl_coef must be >= 0, got {self.kl_coef}")
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):
@@ -286,7 +294,7 @@ CRITIC_MODES = {
 """``--critic_mode`` → what it builds (the one table of modes)."""
 
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
-                            "critic_mode": CRITIC_MODES}
+                            "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

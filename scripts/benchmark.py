@@ -76,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
     p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
+    p.add_argument("--credit_assignment", default="env", choices=list(CHOICES["credit_assignment"]), help=field_docs(AlgoConfig)["credit_assignment"])
+    p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
     p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
     p.add_argument("--kl_coef", type=float, default=0.0, help=field_docs(AlgoConfig)["kl_coef"])
     p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
@@ -140,7 +142,8 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
             num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
             target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
-            group_size=args.group_size, kl_coef=args.kl_coef,
+            group_size=args.group_size, kl_coef=args.kl_coef, credit_assignment=args.credit_assignment,
+            credit_discount=args.credit_discount,
         ),
         runner=RunnerConfig(
             n_rollout_threads=args.n_rollout_threads, episode_length=args.episode_length, num_env_steps=args.num_env_steps,

@@ -85,3 +85,52 @@ def test_per_agent_critic_metrics_are_tagged_per_critic(random_model_dir):
     state = trainer.state_dict()
     assert set(state["critic_optimizers"]) == {"critic_reasoner", "critic_actor"}
     trainer.load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- credit assignment
+def test_each_credit_mode_gives_the_hand_computed_per_turn_credits():
+    from marft.algorithms.advantages import CREDIT_MODES, turn_credits
+
+    rewards = torch.tensor([[[1.0, 1.0, 1.0], [0.0, 3.0, 0.0]]])  # (T=1, E=2, N=3): a team reward, then per-agent rewards
+    assert set(CREDIT_MODES) == {"env", "equal", "step_discount", "per_step"}
+    torch.testing.assert_close(turn_credits(rewards, "env"), rewards)
+    torch.testing.assert_close(turn_credits(rewards, "per_step"), rewards)
+    torch.testing.assert_close(turn_credits(rewards, "equal"), torch.tensor([[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]]))
+    torch.testing.assert_close(turn_credits(rewards, "step_discount", 0.5), torch.tensor([[[0.25, 0.5, 1.0], [0.25, 0.5, 1.0]]]))
+
+
+@pytest.mark.parametrize("mode", ["equal", "step_discount", "per_step"])
+def test_with_a_critic_each_turns_return_within_its_step_is_its_credit(mode):
+    """gamma = lambda = 1, zero values, one-step episodes: the GAE return of turn n is its credit, not the
+    sum of the credits after it (mode env: the first of K turns with reward R gets K x R)."""
+    from marft.algorithms.advantages import agent_chain_gae, chain_rewards, turn_credits
+
+    rewards = torch.tensor([[[1.0, 1.0, 1.0], [0.0, 3.0, 0.0]]])
+    values, done = torch.zeros(2, 2, 3), torch.ones(1, 2, dtype=torch.bool)
+    credits = turn_credits(rewards, mode, 0.5)
+    _, returns = agent_chain_gae(chain_rewards(credits, 1.0), values, done, 1.0, 1.0)
+    torch.testing.assert_close(returns, credits)
+    _, env_returns = agent_chain_gae(rewards, values, done, 1.0, 1.0)
+    assert env_returns[0, 0].tolist() == [3.0, 2.0, 1.0]  # the env mode: rewards flow back along the chain
+
+
+def test_grpo_with_per_step_credit_compares_each_agent_by_its_own_reward():
+    from marft.algorithms.advantages import group_relative_advantages
+
+    credits = torch.tensor([[[1.0, 0.0], [0.0, 0.0]]])  # (T=1, E=2 in one group, N=2): only agent 0 differs
+    adv, _, flat = group_relative_advantages(credits, torch.ones(1, 2, dtype=torch.bool), 1, 2, scale=False, per_agent=True)
+    torch.testing.assert_close(adv, torch.tensor([[[0.5, 0.0], [-0.5, 0.0]]]))
+    assert flat == 0  # agent 0's returns vary, so the group teaches something
+
+
+@pytest.mark.parametrize("mode", ["equal", "step_discount", "per_step"])
+@pytest.mark.parametrize("algorithm", ["APPO", "GRPO"])
+def test_every_credit_mode_trains(random_model_dir, tmp_path, algorithm, mode):
+    from marft.launch import main
+
+    argv = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
+            "--context_window", "128", "--n_rollout_threads", "4", "--episode_length", "1", "--num_env_steps", "8",
+            "--eval_episodes", "2", "--n_eval_threads", "2", "--algorithm_name", algorithm, "--group_size", "2",
+            "--credit_assignment", mode, "--output_dir", str(tmp_path / "run")]
+    assert main(argv) == 0
+    assert (tmp_path / "run" / "checkpoints" / "steps_2").is_dir()

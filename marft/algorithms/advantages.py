@@ -1,4 +1,4 @@
-"""Generalised advantage estimation along the agent chain.
+"""Generalised advantage estimation along the agent chain, credit assignment, and group-relative advantages.
 
 In MARFT the agents of a step act one after another, so a rollout of T steps
 with N agents is one chain of T·N decisions per environment: agent i bootstraps
@@ -161,7 +161,8 @@ def token_chain_gae(
 
 
 def group_relative_advantages(
-    rewards: torch.Tensor, active: torch.Tensor, round_length: int, group_size: int, scale: bool = True, eps: float = 1e-4
+    rewards: torch.Tensor, active: torch.Tensor, round_length: int, group_size: int, scale: bool = True, eps: float = 1e-4,
+    per_agent: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Critic-free, group-relative advantages (GRPO), one per agent turn.
 
@@ -169,7 +170,8 @@ def group_relative_advantages(
     played one episode each on the same task. An episode's team return is the sum over its played steps of
     the mean reward over agents; every turn of the episode gets ``(return - group mean) / (group std + eps)``
     (``scale=False``: ``return - group mean``). The std is the unbiased one (as TRL's GRPO). A group whose
-    returns are all equal gets 0.
+    returns are all equal gets 0. With ``per_agent``, ``rewards`` are per-turn credits and each agent's turns
+    are compared by the agent's own return (its credits summed over the episode) within the group.
 
     Args:
         rewards: ``(T, E, N)``.
@@ -182,16 +184,51 @@ def group_relative_advantages(
     T, E, N = rewards.shape
     if T % round_length or E % group_size:
         raise ValueError(f"{T} steps are not whole rounds of {round_length}, or {E} envs not whole groups of {group_size}")
-    played = active.to(rewards.dtype)  # (T, E)
-    team_reward = rewards.mean(-1) * played  # (T, E)
-    episode_return = team_reward.reshape(T // round_length, round_length, E).sum(1)  # (R, E)
-    grouped = episode_return.reshape(-1, E // group_size, group_size)  # (R, E/G, G)
-    mean = grouped.mean(-1, keepdim=True)
-    std = grouped.std(-1, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
-    flat = std.squeeze(-1) < 1e-8  # (R, E/G)
+    played = active.to(rewards.dtype).unsqueeze(-1)  # (T, E, 1)
+    per_turn = rewards if per_agent else rewards.mean(-1, keepdim=True)  # (T, E, A): A = N per agent, or 1 (the team)
+    A = per_turn.shape[-1]
+    episode_return = (per_turn * played).reshape(T // round_length, round_length, E, A).sum(1)  # (R, E, A)
+    grouped = episode_return.reshape(-1, E // group_size, group_size, A)  # (R, E/G, G, A)
+    mean = grouped.mean(2, keepdim=True)
+    std = grouped.std(2, keepdim=True) if group_size > 1 else torch.zeros_like(mean)
+    flat = std.squeeze(2) < 1e-8  # (R, E/G, A)
     centred = grouped - mean
     group_adv = centred / (std + eps) if scale else centred
-    group_adv = torch.where(flat.unsqueeze(-1), torch.zeros_like(group_adv), group_adv).reshape(-1, E)  # (R, E)
-    per_step = group_adv.repeat_interleave(round_length, dim=0) * played  # (T, E)
-    returns = episode_return.repeat_interleave(round_length, dim=0) * played  # (T, E)
-    return per_step.unsqueeze(-1).expand(T, E, N).clone(), returns.unsqueeze(-1).expand(T, E, N).clone(), int(flat.sum())
+    group_adv = torch.where(flat.unsqueeze(2), torch.zeros_like(group_adv), group_adv).reshape(-1, E, A)  # (R, E, A)
+    advantages = group_adv.repeat_interleave(round_length, dim=0) * played  # (T, E, A)
+    returns = episode_return.repeat_interleave(round_length, dim=0) * played  # (T, E, A)
+    return advantages.expand(T, E, N).clone(), returns.expand(T, E, N).clone(), int(flat.all(-1).sum())
+
+
+CREDIT_MODES = {
+    "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): a reward "
+           "flows back to every earlier turn, so with gamma = lambda = 1 and a team reward R on each of K turns the "
+           "first turn's return is K x R",
+    "equal": "every turn of a team step is credited with the team reward R (the mean of the agents' rewards)",
+    "step_discount": "turn n of a K-turn team step is credited with R x credit_discount^(K-1-n): later turns get more",
+    "per_step": "every turn is credited with its own agent's reward from the environment (StepOutcome.rewards)",
+}
+"""``--credit_assignment`` → how the environment's rewards become each turn's credit (the one table of modes)."""
+
+
+def turn_credits(rewards: torch.Tensor, mode: str, credit_discount: float = 1.0) -> torch.Tensor:
+    """Each turn's credit under ``mode`` (:data:`CREDIT_MODES`). ``rewards (T, E, N)`` → ``(T, E, N)``."""
+    if mode not in CREDIT_MODES:
+        raise ValueError(f"unknown credit assignment {mode!r}; known: {', '.join(CREDIT_MODES)}")
+    if mode in ("env", "per_step"):
+        return rewards
+    N = rewards.shape[-1]
+    team = rewards.mean(-1, keepdim=True)  # (T, E, 1)
+    if mode == "equal":
+        return team.expand_as(rewards).clone()
+    powers = torch.arange(N - 1, -1, -1, dtype=rewards.dtype, device=rewards.device)  # (N,): K-1-n
+    return team * credit_discount ** powers
+
+
+def chain_rewards(credits: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Rewards to put on the agent chain so that, within a team step, each turn's discounted return is
+    exactly its credit: ``r_n = c_n - gamma * c_{n+1}`` (the last turn: ``c_{N-1}``), which telescopes to
+    ``sum_{j >= n} gamma^(j-n) r_j = c_n``. Later steps still add their discounted returns on top (through
+    the bootstrap), as in any MDP. ``credits (T, E, N)`` → ``(T, E, N)``."""
+    later = torch.cat([credits[..., 1:], torch.zeros_like(credits[..., :1])], dim=-1)  # (T, E, N): c_{n+1}, 0 after the last
+    return credits - gamma * later

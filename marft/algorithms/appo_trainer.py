@@ -21,6 +21,7 @@ from collections import defaultdict
 import torch
 
 from marft.agents.team import CRITIC_ADAPTER, AgentTeam
+from marft.algorithms.advantages import chain_rewards, turn_credits
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
@@ -101,7 +102,16 @@ class APPOTrainer:
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
         """Action level: GAE along the agent chain, one advantage per reply."""
-        buffer.compute_advantages(self.config.gamma, self.config.gae_lambda)
+        buffer.compute_advantages(self.config.gamma, self.config.gae_lambda, self.chain_rewards(buffer))
+
+    def chain_rewards(self, buffer: RolloutBuffer) -> torch.Tensor | None:
+        """The rewards the agent chain's GAE runs on (``--credit_assignment``): the env's as they are (``env``),
+        or each turn's credit (:func:`turn_credits`) telescoped so that a turn's return within its team step
+        is exactly its credit (:func:`chain_rewards`). None: the buffer's own rewards."""
+        cfg = self.config
+        if cfg.credit_assignment == "env":
+            return None
+        return chain_rewards(turn_credits(buffer.rewards, cfg.credit_assignment, cfg.credit_discount), cfg.gamma)
 
     def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
         """How many units the losses average over in rows ``indices``: replies at the action level. Gradient

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from marft.algorithms.advantages import turn_credits
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.losses import clipped_policy_loss
 from marft.runner.shared.buffer import RolloutBuffer
@@ -42,8 +43,11 @@ class GRPOTrainer(APPOTrainer):
         return self.config.normalization_mode == "token"
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
+        """Group-relative advantages of the episodes' team returns (``--credit_assignment env``), or of each
+        agent's own return from its turns' credits (the other modes)."""
         cfg = self.config
-        self.counters["zero_variance_groups"] += buffer.compute_group_advantages(self.round_length, cfg.group_size, cfg.grpo_scale_rewards)
+        credits = None if cfg.credit_assignment == "env" else turn_credits(buffer.rewards, cfg.credit_assignment, cfg.credit_discount)
+        self.counters["zero_variance_groups"] += buffer.compute_group_advantages(self.round_length, cfg.group_size, cfg.grpo_scale_rewards, credits)
 
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Group-relative advantages are already normalised (per group): used as they are."""

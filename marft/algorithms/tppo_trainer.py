@@ -22,7 +22,7 @@ class TPPOTrainer(APPOTrainer):
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
         cfg = self.config
-        buffer.compute_token_advantages(cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda)
+        buffer.compute_token_advantages(cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda, self.chain_rewards(buffer))
 
     def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
         """The token-level losses average over real reply tokens: chunks are weighted by their token count."""

@@ -84,23 +84,29 @@ class RolloutBuffer:
         """``(T, E)`` the episode ended after step t, terminated or truncated."""
         return self.terminated | self.truncated
 
-    def compute_advantages(self, gamma: float, gae_lambda: float) -> None:
+    def compute_advantages(self, gamma: float, gae_lambda: float, rewards: torch.Tensor | None = None) -> None:
+        """Agent-chain GAE on ``rewards`` (T, E, N) (default: the env's, :attr:`rewards`)."""
         self.advantages, self.returns = agent_chain_gae(
-            self.rewards, self.values, self.terminated, gamma, gae_lambda, truncated=self.truncated, final_values=self.final_values
+            self.rewards if rewards is None else rewards, self.values, self.terminated, gamma, gae_lambda,
+            truncated=self.truncated, final_values=self.final_values,
         )
 
-    def compute_token_advantages(self, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float) -> None:
+    def compute_token_advantages(
+        self, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float, rewards: torch.Tensor | None = None
+    ) -> None:
+        """Token-chain GAE on ``rewards`` (T, E, N) (default: the env's, :attr:`rewards`)."""
         self.token_advantages, self.token_returns = token_chain_gae(
-            self.rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.terminated,
+            self.rewards if rewards is None else rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.terminated,
             gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=self.truncated, final_values=self.final_values,
         )
 
-    def compute_group_advantages(self, round_length: int, group_size: int, scale: bool) -> int:
+    def compute_group_advantages(self, round_length: int, group_size: int, scale: bool, credits: torch.Tensor | None = None) -> int:
         """Critic-free: every turn's advantage is its episode's group-relative return
-        (:func:`~marft.algorithms.advantages.group_relative_advantages`); ``returns`` hold the episode returns.
+        (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, N),
+        each agent's return from its own credits); ``returns`` hold the episode returns.
         Returns how many groups had no return variance (their advantages are 0)."""
         self.advantages, self.returns, zero_variance = group_relative_advantages(
-            self.rewards, self.active, round_length, group_size, scale
+            self.rewards if credits is None else credits, self.active, round_length, group_size, scale, per_agent=credits is not None
         )
         return zero_variance
 
