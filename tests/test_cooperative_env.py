@@ -51,6 +51,8 @@ def test_splits_are_disjoint_and_cover_every_pair():
     assert sorted(train + test) == [(k, 10 * t) for k in range(10) for t in range(1, 10)]
     assert len(test) == 18
     assert {key for key, _ in test} != {0} and len({number for _, number in test}) > 1  # a real mix of pairs
+    per_key = [sum(key == k for key, _ in test) for k in range(10)]
+    assert sorted(per_key) == [1, 1] + [2] * 8  # stratified: every key keeps 7 or 8 of its 9 numbers in training
 
 
 @pytest.mark.parametrize("kwargs", [{"n_keys": 1}, {"n_keys": 11}, {"n_tens": 0}])

@@ -89,7 +89,7 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
     from marft.envs.cooperative import keeper_observation, relay_problem, relay_tasks
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.envs.profile import load_profile
-    from marft.models.tiny import warm_start_prompts, warm_start_transcripts
+    from marft.models.tiny import _relay_pairs, warm_start_prompts, warm_start_transcripts
     from marft.prompting import format_problem
     from marft.sft import turn_examples
 
@@ -99,7 +99,8 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
     transcripts = warm_start_transcripts(TinyRecipe(), np.random.default_rng(0))
     examples = [(e.prompt_ids, e.reply_ids) for e in turn_examples(warm_start_prompts(tokenizer), transcripts, eos_id=tokenizer.eos_token_id)]
     arithmetic = generate_arithmetic("train") + generate_arithmetic("test")
-    pairs = relay_tasks("train") + relay_tasks("test")
+    pairs = _relay_pairs()
+    assert sorted(pairs) == sorted(relay_tasks("train") + relay_tasks("test"))
     assert len(examples) == 2 * (len(arithmetic) + len(pairs))  # a Reasoner and an Actor example per task
 
     def team_prompt(agent, problem, turns, private=None):

@@ -65,6 +65,11 @@ def keeper_observation(key: int) -> str:
 def relay_tasks(split: str = "train", n_keys: int = 10, n_tens: int = 9, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
     """All ``(key, number)`` pairs of one split, in a seeded order; ``train`` and ``test`` are disjoint.
 
+    The split is stratified by key: each key holds out ``n_test / n_keys`` of its numbers (the remainder
+    spread over keys in a seeded order), so every key keeps most of its numbers in training and held-out
+    pairs test the rule (relay whatever the key is), not a key the team hardly ever saw. (A plain shuffle
+    once put five of the nine pairs of key 1 into the test split: held-out success then stopped near 0.7.)
+
     Args:
         split: ``"train"`` or ``"test"``.
         n_keys: keys are ``0..n_keys-1`` (at most 10: a key is one digit).
@@ -78,11 +83,15 @@ def relay_tasks(split: str = "train", n_keys: int = 10, n_tens: int = 9, test_fr
         raise ValueError(f"n_keys must be 2..10 (one key is no secret; a key is one digit), got {n_keys}")
     if n_tens < 1:
         raise ValueError(f"n_tens must be at least 1, got {n_tens}")
+    rng = np.random.default_rng(seed)
+    n_test = int(round(test_fraction * n_keys * n_tens))
+    held_out = set()
+    for rank, key in enumerate(rng.permutation(n_keys)):  # keys in a seeded order share out the remainder
+        count = n_test // n_keys + (1 if rank < n_test % n_keys else 0)
+        held_out.update((int(key), 10 * (int(t) + 1)) for t in rng.permutation(n_tens)[:count])
     pairs = [(key, 10 * tens) for key in range(n_keys) for tens in range(1, n_tens + 1)]
-    order = np.random.default_rng(seed).permutation(len(pairs))
-    n_test = int(round(test_fraction * len(pairs)))
-    chosen = order[:n_test] if split == "test" else order[n_test:]
-    return [pairs[i] for i in chosen]
+    chosen = [pair for pair in pairs if (pair in held_out) == (split == "test")]
+    return [chosen[i] for i in rng.permutation(len(chosen))]
 
 
 class RelaySumEnv(MultiAgentTextEnv):

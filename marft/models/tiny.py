@@ -202,11 +202,13 @@ def _operands(row: dict) -> list[str]:
     return row["problem"].removeprefix("What is ").removesuffix("?").split()
 
 
-def _relay_pairs() -> list[tuple[int, int]]:
-    """Every (key, number) pair of ``relay_sum`` (both splits, as pretraining would cover them)."""
-    from marft.envs.cooperative import relay_tasks
-
-    return relay_tasks("train") + relay_tasks("test")
+def _relay_pairs(n_keys: int = 10, n_tens: int = 9) -> list[tuple[int, int]]:
+    """Every (key, number) pair of ``relay_sum`` (both splits, as pretraining would cover them), in one fixed
+    seeded order that does not depend on how the env splits them (so changing the split does not change the
+    embedded model; it is the order the warm start has always used)."""
+    pairs = [(key, 10 * tens) for key in range(n_keys) for tens in range(1, n_tens + 1)]
+    order = np.random.default_rng(0).permutation(len(pairs))
+    return [pairs[i] for i in np.roll(order, -18)]
 
 
 def _noisy_copy(result: int, rng, actor_copies: float) -> str:
