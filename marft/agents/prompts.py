@@ -15,6 +15,18 @@ import torch
 from marft.prompting import build_prompt, format_private
 
 
+def left_pad(rows: Sequence[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Id lists, left-padded to the longest: ``ids (B, W)`` and ``mask (B, W)`` (1 on real tokens)."""
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for b, row in enumerate(rows):
+        if row:
+            ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[b, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
 class PromptEncoder:
     """Tokenises agents' prompts.
 
@@ -80,11 +92,4 @@ class PromptEncoder:
         pad_id: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`encode_rows`, left-padded: ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, P ≤ ``max_prompt_len``."""
-        rows = self.encode_rows(agent, histories, earlier_turns, private)
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[b, width - len(row) :] = 1
-        return ids, mask
+        return left_pad(self.encode_rows(agent, histories, earlier_turns, private), pad_id)

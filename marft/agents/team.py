@@ -36,7 +36,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.config import ModelConfig
-from marft.agents.prompts import PromptEncoder
+from marft.agents.prompts import PromptEncoder, left_pad
 
 CRITIC_ADAPTER = "critic"
 SHARED_ADAPTER = "shared"
@@ -409,15 +409,8 @@ class AgentTeam(nn.Module):
         if self._header_memo is not None and memo_key in self._header_memo:
             cache, header_ids, header_mask = self._header_memo[memo_key]
             return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given
-        headers = [self.header_ids[a] for a in agents]
-        width = max(len(h) for h in headers)
-        header_ids = torch.full((len(headers), width), self.pad_id, dtype=torch.long, device=self.device)
-        header_mask = torch.zeros((len(headers), width), dtype=torch.long, device=self.device)
-        for row, header in enumerate(headers):
-            if header:
-                header_ids[row, width - len(header) :] = torch.tensor(header, device=self.device)
-                header_mask[row, width - len(header) :] = 1
-        if width == 0:
+        header_ids, header_mask = left_pad([self.header_ids[a] for a in agents], self.pad_id, self.device)
+        if header_ids.shape[1] == 0:
             return None, header_ids, header_mask
         decoder = self.model.get_base_model().get_decoder()
         cache = decoder(
