@@ -25,6 +25,7 @@ from marft.agents.dtypes import DTYPES
 from marft.algorithms import TRAINERS
 from marft.algorithms.advantages import CREDIT_MODES
 from marft.algorithms.losses import NORMALIZATION_MODES
+from marft.workflows import WORKFLOWS
 
 
 @dataclass
@@ -35,8 +36,8 @@ class ModelConfig:
     """Local Hugging Face model directory or hub name; ``marft-tiny`` builds (once) and uses the embedded tiny model."""
     profile_path: str = "reasoner_actor"
     """Agent profile: a JSON file or the name of a shipped profile (see ``marft/envs/profiles/``)."""
-    n_agents: int = 2
-    """Number of agents in the team; must match the profile."""
+    n_agents: Optional[int] = None
+    """Number of agents in the team, an orchestrator included; when given, the profile must have exactly this many (default: the profile's)."""
     shared_lora: bool = False
     """Give all agents one shared LoRA adapter instead of one adapter per agent."""
     critic_mode: str = "shared"
@@ -67,7 +68,7 @@ class ModelConfig:
     """Recompute the base model's layer activations in the backward pass of the update instead of keeping them (less memory for long replies, about one more forward of time)."""
 
     def __post_init__(self):
-        if self.n_agents < 1:
+        if self.n_agents is not None and self.n_agents < 1:
             raise ValueError(f"--n_agents must be at least 1, got {self.n_agents}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}")
@@ -97,10 +98,17 @@ class EnvConfig:
     """Held-out problems for evaluation; default: the test split of ``dataset_path``."""
     horizon: int = 1
     """Team steps per episode: after a wrong answer the judge asks the team to try again, up to this many times."""
+    workflow: str = "auto"
+    """Who speaks when in a team step: auto (what the profile describes), sequential (profile order), graph (the profile's DAG; a layer speaks in parallel) or orchestrated (the profile's orchestrator calls specialists with <call>Role</call> and ends with <done/>)."""
+    max_turns: int = 5
+    """Orchestrated workflows: the most specialist calls per team step (the step is graded after the last)."""
 
     def __post_init__(self):
         if self.horizon < 1:
             raise ValueError(f"--horizon must be at least 1, got {self.horizon}")
+        check_choice("workflow", self.workflow)
+        if self.max_turns < 1:
+            raise ValueError(f"--max_turns must be at least 1 (specialist calls per team step), got {self.max_turns}")
 
 
 @dataclass
@@ -117,6 +125,8 @@ class AlgoConfig:
     """How the environment's rewards become each turn's credit: env (as they are, into the agent chain, where a reward also flows back to earlier turns; the original MARFT), equal (every turn of a team step gets the team reward), step_discount (turn n of K gets R x credit_discount^(K-1-n)) or per_step (each turn its own agent's reward). With a critic, each turn's return within its team step is exactly its credit; with GRPO, each agent's turns are compared within the group by their credits."""
     credit_discount: float = 0.9
     """step_discount: the factor per turn between a turn's credit and the next turn's."""
+    train_orchestrator: bool = True
+    """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (the base model, adapters off): the k3 estimator per reply token, added to the policy loss (0: none, no reference forward)."""
     lr: float = 1e-3
@@ -294,7 +304,7 @@ CRITIC_MODES = {
 """``--critic_mode`` → what it builds (the one table of modes)."""
 
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
-                            "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES}
+                            "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

@@ -50,21 +50,32 @@ def build_env_factories(config: TrainConfig, profile):
     installed entry point (:func:`marft.envs.resolve`)."""
     from marft.envs import make, resolve
     from marft.envs.math import load_problems
+    from marft.workflows import workflow_for
 
     ec = config.env
     kwargs = dict(profile=profile, horizon=ec.horizon)
+    workflow_for(profile, ec.workflow, ec.max_turns)  # a --workflow the profile does not describe fails here, before any env is built
+
+    def playing(build):
+        """``build``, then every team step of the env played by the profile's workflow."""
+        def make_env():
+            env = build()
+            env.unwrapped.set_workflow(workflow_for(profile, ec.workflow, ec.max_turns))
+            return env
+        return make_env
+
     if ec.env_name != "math":
         env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
         train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
         eval_source = ec.eval_dataset_path or ec.dataset_path
         eval_data = {} if eval_source is None else {"dataset_path": eval_source}
-        return (lambda: env_class(split="train", **train_data, **kwargs)), (lambda: env_class(split="test", **eval_data, **kwargs))
+        return playing(lambda: env_class(split="train", **train_data, **kwargs)), playing(lambda: env_class(split="test", **eval_data, **kwargs))
     source = ec.dataset_path or "arithmetic"
     train_problems = load_problems(source, split="train")
     eval_problems = load_problems(ec.eval_dataset_path or source, split="test")
     return (
-        lambda: make("math", problems=train_problems, **kwargs),
-        lambda: make("math", problems=eval_problems, **kwargs),
+        playing(lambda: make("math", problems=train_problems, **kwargs)),
+        playing(lambda: make("math", problems=eval_problems, **kwargs)),
     )
 
 

@@ -18,6 +18,8 @@ later change because a transcript shared by several agents has no single
 from __future__ import annotations
 
 JUDGE_ROLE = "Judge"
+HOST_ROLE = "Host"
+"""Speaks the handover lines of orchestrated workflows ("Host: Now it is Solver's turn."); no agent may take it."""
 
 
 def format_problem(problem: str) -> str:
@@ -28,6 +30,11 @@ def format_problem(problem: str) -> str:
 def format_turn(role: str, text: str) -> str:
     """One finished turn of the shared history: ``"<role>: <text>\\n"``."""
     return f"{role}: {text.strip()}\n"
+
+
+def handover_text(role: str) -> str:
+    """The line the host writes before a specialist the orchestrator called speaks."""
+    return f"Now it is {role}'s turn."
 
 
 def format_cue(role: str) -> str:

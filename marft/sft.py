@@ -31,7 +31,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from marft.prompting import JUDGE_ROLE, format_problem, format_turn
+from marft.prompting import HOST_ROLE, JUDGE_ROLE, format_problem, format_turn
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +131,9 @@ def turn_examples(
             if role == JUDGE_ROLE:
                 history += "".join(format_turn(r, t) for r, t in step_turns) + format_turn(role, text)
                 step_turns = []
+                continue
+            if role == HOST_ROLE:  # an orchestrated step's handover line: part of what the next speakers see
+                step_turns.append((role, text))
                 continue
             if role not in roles:
                 raise ValueError(f"transcript turn by {role!r}, but the team's roles are {roles}")

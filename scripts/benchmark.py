@@ -62,7 +62,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
     p.add_argument("--n_agents", type=int, default=2, choices=sorted(PROFILES), help="team size (profile: see PROFILES)")
-    p.add_argument("--env_name", default="relay_sum", help="registered environment (relay_sum or math)")
+    p.add_argument("--env_name", default=None, help="registered environment (default: relay_sum; route with --workflow orchestrated)")
+    p.add_argument("--workflow", default="auto", choices=list(CHOICES["workflow"]), help=field_docs(EnvConfig)["workflow"])
+    p.add_argument("--profile_path", default=None, help="agent profile (default: see PROFILES; route_orchestrated with --workflow orchestrated)")
+    p.add_argument("--max_turns", type=int, default=EnvConfig.max_turns, help=field_docs(EnvConfig)["max_turns"])
+    p.add_argument("--sft_steps", type=int, default=None, help="learning: supervised warm-start steps on the env's demonstrations before RL (default: 300 with --workflow orchestrated, else 0)")
     p.add_argument("--n_rollout_threads", type=int, default=16, help="parallel envs")
     p.add_argument("--episode_length", type=int, default=2, help="team steps per env per iteration")
     p.add_argument("--num_env_steps", type=int, default=12288, help="learning: env steps to train for (12288 = 384 iterations of 16 x 2)")
@@ -91,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default=None, help="run directory (default: a temporary one; learning: results/benchmark/<time>)")
     args = p.parse_args(argv)
+    orchestrated = args.workflow == "orchestrated"
+    args.env_name = args.env_name or ("route" if orchestrated else "relay_sum")
+    args.profile_path = args.profile_path or ("route_orchestrated" if orchestrated else PROFILES[args.n_agents])
+    args.sft_steps = (300 if orchestrated else 0) if args.sft_steps is None else args.sft_steps
     return args
 
 
@@ -133,11 +141,11 @@ def model_label(args) -> str:
 def make_config(args, run_dir: str | None) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(
-            model_name_or_path=model_path(args), profile_path=PROFILES[args.n_agents], n_agents=args.n_agents,
+            model_name_or_path=model_path(args), profile_path=args.profile_path,
             max_new_tokens=args.max_new_tokens, context_window=args.context_window,
             device=args.device, dtype=args.dtype, critic_mode=args.critic_mode,
         ),
-        env=EnvConfig(env_name=args.env_name, horizon=args.horizon),
+        env=EnvConfig(env_name=args.env_name, horizon=args.horizon, workflow=args.workflow, max_turns=args.max_turns),
         algo=AlgoConfig(
             algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
             num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
@@ -203,8 +211,15 @@ def bench_learning(args) -> dict:
         f"{args.n_rollout_threads} envs x {args.episode_length} steps, agent_iteration_interval {args.agent_iteration_interval}",
         flush=True,
     )
-    train_tasks_before = runner.evaluate(make_env=make_train_env)
     start = time.perf_counter()
+    if args.sft_steps:  # the protocol first (e.g. the orchestrator's tags, with routing at random), then RL
+        from marft.sft import SFTConfig, demonstrations, turn_examples, warm_start
+
+        examples = turn_examples(runner.team.prompts, demonstrations(make_train_env, 2000, args.seed), eos_id=runner.team.eos_id,
+                                 max_reply_tokens=args.max_new_tokens)
+        losses = warm_start(runner.team, examples, SFTConfig(sft_steps=args.sft_steps), seed=args.seed)
+        print(f"warm start: {args.sft_steps} steps, reply loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
+    train_tasks_before = runner.evaluate(make_env=make_train_env)
     summary = runner.run()  # evaluates on the test split before and after training
     seconds = time.perf_counter() - start
     train_tasks_after = runner.evaluate(make_env=make_train_env)
@@ -215,6 +230,7 @@ def bench_learning(args) -> dict:
         "bench": "learning",
         "algo": args.algorithm_name,
         "env": args.env_name,
+        "workflow": args.workflow,
         "agent_iteration_interval": args.agent_iteration_interval,
         "success_before": summary["accuracy_before"],
         "success_after": summary["accuracy_after"],
@@ -223,6 +239,8 @@ def bench_learning(args) -> dict:
         "train_tasks_success_before": train_tasks_before["accuracy"],
         "train_tasks_success_after": train_tasks_after["accuracy"],
         "seconds": round(seconds, 1),
+        **({"calls_before": summary["orchestrator_calls_before"], "calls_after": summary["orchestrator_calls_after"]}
+           if "orchestrator_calls_before" in summary else {}),
         "iterations": summary["iterations"],
         "seed": args.seed,
         "run_dir": args.output_dir,

@@ -52,3 +52,37 @@ def _register_dense_relay_sum():
 
 
 _register_dense_relay_sum()
+
+
+def _register_dense_route():
+    """``dense_route``: ``route`` whose reward is a checksum of the team's latest answer in [0, 1]; never solved
+    (a random model never answers right, and equal rewards would train only the critic)."""
+    import marft.envs
+    from marft.envs import StepOutcome
+    from marft.envs.route import RouteEnv
+
+    class DenseRoute(RouteEnv):
+        def evaluate(self, state, actions):
+            answers = [actions[n] for n, spec in enumerate(self.profile) if spec.with_answer]
+            reward = (sum(map(ord, answers[-1])) % 97) / 96
+            return StepOutcome(rewards=(reward,) * self.n_agents, solved=False, feedback="Again.", info={"correct": False})
+
+    marft.envs.register("dense_route", DenseRoute)
+
+
+_register_dense_route()
+
+
+@pytest.fixture
+def scripted_orchestrator(monkeypatch):
+    """An orchestrator whose every reply is read as a call or ``<done/>`` by its checksum (a random model never
+    writes the tags): 0 → the first specialist, 1 → the second, 2 → done. Deterministic in the reply, so
+    different envs call different specialists at one moment and resumed runs replay alike."""
+    from marft.workflows import OrchestratedWorkflow
+
+    def parse(self, reply):
+        pick = sum(map(ord, reply)) % 3
+        specialists = sorted(self.specialists.values())
+        return -1 if pick == 2 else specialists[pick % len(specialists)]
+
+    monkeypatch.setattr(OrchestratedWorkflow, "parse", parse)

@@ -110,6 +110,12 @@ def check_resume_is_exact(random_model_dir, tmp_path, extra):
     assert compared >= 2 * N * 5
 
 
+def test_resume_of_an_orchestrated_run_mid_episode_is_exact(random_model_dir, tmp_path, scripted_orchestrator):
+    """Orchestrated steps of different lengths, episodes of 3 steps across the stop (the horizon): still exact."""
+    check_resume_is_exact(random_model_dir, tmp_path, ("--env_name", "dense_route", "--profile_path", "route_orchestrated_anonymous",
+                                                       "--context_window", "192"))
+
+
 # ---------------------------------------------------------------------- resuming with another config
 @pytest.fixture(scope="module")
 def trained_run(random_model_dir, tmp_path_factory):

@@ -13,7 +13,8 @@ from marft.envs.profile import (
 )
 
 NAMED = ["reasoner_actor", "planner_solver", "planner_solver_verifier", "planner_solver_reflector_verifier",
-         "reasoner_actor_code", "planner_coder", "planner_coder_debugger", "planner_coder_reviewer_debugger"]
+         "reasoner_actor_code", "planner_coder", "planner_coder_debugger", "planner_coder_reviewer_debugger",
+         "planner_solver_verifier_orchestrated", "solvers_verifier_graph", "route_orchestrated"]
 
 
 def write(tmp_path, entries, name="p.json"):
@@ -31,7 +32,9 @@ def test_named_profile_and_anonymous_twin(name):
     named = load_profile(name)
     anonymous = load_profile(f"{name}_anonymous", n_agents=len(named))
     assert [s.role for s in anonymous] == [f"Agent {i + 1}" for i in range(len(named))]
-    assert all(s.prompt == "" for s in anonymous)
+    assert all(s.prompt == "" for s in anonymous if not s.orchestrator)  # an orchestrator's prompt lists the specialists
+    assert [s.after for s in anonymous] == [tuple(f"Agent {[t.role for t in named].index(p) + 1}" for p in s.after) for s in named]
+    assert [s.orchestrator for s in anonymous] == [s.orchestrator for s in named]
     assert [s.with_answer for s in anonymous] == [s.with_answer for s in named]
     assert all(s.prompt.strip() for s in named)
     answer_format = "```python" if "code" in name else "\\boxed{"  # code teams answer with a program

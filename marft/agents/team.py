@@ -596,24 +596,30 @@ class AgentTeam(nn.Module):
 
     @torch.no_grad()
     def value_turns(self, turns: Sequence[TurnOutput], token_values: bool = False) -> None:
-        """Critic values of one team step's turns (``turns[n]`` is agent n's): fills ``values (B,)`` and,
+        """Critic values of one sequential team step's turns (``turns[n]`` is agent n's): :meth:`value_batches`."""
+        self.value_batches(list(enumerate(turns)), token_values)
+
+    @torch.no_grad()
+    def value_batches(self, batches: Sequence[tuple[int, TurnOutput]], token_values: bool = False) -> None:
+        """Critic values of turn batches, ``(agent, TurnOutput)`` each: fills every batch's ``values (B,)`` and,
         with ``token_values``, ``token_values (B, L)``.
 
-        One forward for every agent's role header and one for all N x B prompts (and replies) behind them:
-        the critic's cost per step does not grow in forward calls with the team size (per-agent critics:
-        one such pair per critic, over its agent's turns)."""
+        Per critic, one forward for the role headers of the agents it values and one for all their batches'
+        prompts (and replies) behind them: the critic's cost per step does not grow in forward calls with the
+        team size (per-agent critics: one such pair per critic, over its agent's batches)."""
         for critic in self.critic_adapters:
-            agents = self.critic_agents(critic)
-            mine = [turns[a] for a in agents]
+            mine = [(agent, turn) for agent, turn in batches if self.agent_critics[agent] == critic]
+            if not mine:
+                continue
             self.route(critic)
-            cache, ids, mask = self.behind_shared_headers([(a, turns[a].prompt_ids, turns[a].prompt_mask) for a in agents])  # (n*B, Hmax + S)
-            L = mine[0].response_ids.shape[1] if token_values else 0
+            cache, ids, mask = self.behind_shared_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in mine])  # (ΣB, Hmax + S)
+            L = mine[0][1].response_ids.shape[1] if token_values else 0
             if token_values:
-                ids = torch.cat([ids, torch.cat([t.response_ids for t in mine])], dim=1)  # (n*B, Hmax + S + L)
-                mask = torch.cat([mask, torch.cat([t.response_mask for t in mine])], dim=1)
-            hidden = self._decoder_states(cache, ids, mask)  # (n*B, S + L, H)
-            values = self.value_heads[critic](hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (n*B, L + 1): before each reply token, then after
-            for turn, rows in zip(mine, values.split([len(t.prompt_ids) for t in mine])):
+                ids = torch.cat([ids, torch.cat([t.response_ids for _, t in mine])], dim=1)  # (ΣB, Hmax + S + L)
+                mask = torch.cat([mask, torch.cat([t.response_mask for _, t in mine])], dim=1)
+            hidden = self._decoder_states(cache, ids, mask)  # (ΣB, S + L, H)
+            values = self.value_heads[critic](hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (ΣB, L + 1): before each reply token, then after
+            for (_, turn), rows in zip(mine, values.split([len(t.prompt_ids) for _, t in mine])):
                 turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)
                 if token_values:
                     turn.token_values = rows[:, :L] * turn.response_mask  # (B, L)

@@ -51,33 +51,44 @@ def agent_chain_gae(
     gae_lambda: float,
     truncated: torch.Tensor | None = None,
     final_values: torch.Tensor | None = None,
+    played: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns of every agent turn.
+    """Advantages and returns of every turn, along each environment's chain of turns.
 
     Args:
-        rewards: ``(T, E, N)`` reward of agent n at step t in env e.
-        values: ``(T + 1, E, N)`` critic values; ``values[T, :, 0]`` bootstraps the last step.
-        terminated: ``(T, E)`` the episode ended after step t for good (its last agent has no successor).
+        rewards: ``(T, E, S)`` reward of the turn in slot s of team step t in env e (S: turn slots per step;
+            with the sequential workflow slot n is agent n).
+        values: ``(T + 1, E, S)`` critic values; ``values[T, :, 0]`` bootstraps the last step.
+        terminated: ``(T, E)`` the episode ended after step t for good (its last turn has no successor).
         gamma, gae_lambda: discount and GAE lambda per link of the chain.
         truncated: ``(T, E)`` the episode was cut after step t (None: never).
-        final_values: ``(T, E)`` value of a truncated episode's final observation (its last agent's successor).
+        final_values: ``(T, E)`` value of a truncated episode's final observation (its last turn's successor).
+        played: ``(T, E, S)`` the slot holds a turn (None: all do). A turn bootstraps from the next played turn
+            of its env, whoever speaks it; empty slots are skipped (advantage 0).
 
     Returns:
-        ``advantages (T, E, N)`` and ``returns (T, E, N)`` (= advantages + values).
+        ``advantages (T, E, S)`` and ``returns (T, E, S)`` (= advantages + values).
+
+    The only Python loop runs over the T·S links; each handles every env at once.
     """
-    T, E, N = rewards.shape
+    T, E, S = rewards.shape
     dtype = values.dtype
-    chain_values = values[:T].permute(0, 2, 1).reshape(T * N, E)  # (T·N, E), link k = (t, n) with k = t·N + n
-    next_values = torch.cat([chain_values[1:], values[T, :, 0].unsqueeze(0)], dim=0).reshape(T, N, E)  # (T, N, E)
-    next_values = torch.cat(  # only the last agent's link crosses a step boundary
-        [next_values[:, : N - 1], episode_end_values(next_values[:, N - 1], terminated, truncated, final_values).unsqueeze(1)], dim=1
-    ).reshape(T * N, E)
-    not_done = torch.ones(T, N, E, dtype=dtype, device=values.device)
-    not_done[:, N - 1] = 1.0 - _ended(terminated, truncated).to(dtype)  # any episode end cuts the GAE sum
-    chain_rewards = rewards.permute(0, 2, 1).reshape(T * N, E)
-    deltas = chain_rewards + gamma * next_values - chain_values  # (T·N, E)
-    chain_adv = reverse_discounted_sum(deltas, gamma * gae_lambda * not_done.reshape(T * N, E))  # (T·N, E)
-    advantages = chain_adv.reshape(T, N, E).permute(0, 2, 1)  # (T, E, N)
+    played = torch.ones(T, E, S, dtype=torch.bool, device=values.device) if played is None else played.bool()
+    ended = _ended(terminated, truncated).to(dtype)  # (T, E)
+    advantages = torch.zeros(T, E, S, dtype=dtype, device=values.device)
+    next_value = values[T, :, 0].clone()  # (E,) value of the next played turn
+    next_adv = torch.zeros(E, dtype=dtype, device=values.device)  # (E,) its advantage
+    for t in range(T - 1, -1, -1):
+        next_value = episode_end_values(next_value.unsqueeze(0), terminated[t : t + 1], None if truncated is None else truncated[t : t + 1],
+                                        None if final_values is None else final_values[t : t + 1]).squeeze(0)
+        next_adv = next_adv * (1.0 - ended[t])  # any episode end cuts the GAE sum
+        for s in range(S - 1, -1, -1):
+            delta = rewards[t, :, s] + gamma * next_value - values[t, :, s]  # (E,)
+            adv = delta + gamma * gae_lambda * next_adv
+            here = played[t, :, s]
+            advantages[t, :, s] = torch.where(here, adv, torch.zeros_like(adv))
+            next_value = torch.where(here, values[t, :, s], next_value)
+            next_adv = torch.where(here, adv, next_adv)
     return advantages, advantages + values[:T]
 
 
@@ -211,18 +222,28 @@ CREDIT_MODES = {
 """``--credit_assignment`` → how the environment's rewards become each turn's credit (the one table of modes)."""
 
 
-def turn_credits(rewards: torch.Tensor, mode: str, credit_discount: float = 1.0) -> torch.Tensor:
-    """Each turn's credit under ``mode`` (:data:`CREDIT_MODES`). ``rewards (T, E, N)`` → ``(T, E, N)``."""
+def turn_credits(
+    rewards: torch.Tensor, mode: str, credit_discount: float = 1.0, team_rewards: torch.Tensor | None = None,
+    played: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Each turn's credit under ``mode`` (:data:`CREDIT_MODES`). ``rewards (T, E, S)`` → ``(T, E, S)``.
+
+    ``rewards``: each turn's reward from the environment (an agent's reward on its last turn of the step);
+    ``team_rewards (T, E, N)``: the environment's per-agent rewards, whose mean is the team reward R (default:
+    ``rewards`` themselves, one turn per agent); ``played (T, E, S)``: the slots holding a turn, filled from slot 0
+    (default: all). A step with K turns credits turn k with R (``equal``) or R x credit_discount^(K-1-k)."""
     if mode not in CREDIT_MODES:
         raise ValueError(f"unknown credit assignment {mode!r}; known: {', '.join(CREDIT_MODES)}")
     if mode in ("env", "per_step"):
         return rewards
-    N = rewards.shape[-1]
-    team = rewards.mean(-1, keepdim=True)  # (T, E, 1)
+    S = rewards.shape[-1]
+    team = (rewards if team_rewards is None else team_rewards).mean(-1, keepdim=True)  # (T, E, 1)
+    played = torch.ones_like(rewards, dtype=torch.bool) if played is None else played.bool()
     if mode == "equal":
-        return team.expand_as(rewards).clone()
-    powers = torch.arange(N - 1, -1, -1, dtype=rewards.dtype, device=rewards.device)  # (N,): K-1-n
-    return team * credit_discount ** powers
+        return team.expand_as(rewards) * played
+    turns = played.sum(-1, keepdim=True)  # (T, E, 1): K
+    powers = (turns - 1 - torch.arange(S, device=rewards.device)).clamp(min=0).to(rewards.dtype)  # (T, E, S): K-1-k
+    return team * credit_discount ** powers * played
 
 
 def chain_rewards(credits: torch.Tensor, gamma: float) -> torch.Tensor:

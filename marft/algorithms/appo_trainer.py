@@ -31,6 +31,11 @@ from marft.runner.shared.buffer import RolloutBuffer, trim_batch
 logger = logging.getLogger(__name__)
 
 
+def buffer_credits(buffer: RolloutBuffer, mode: str, credit_discount: float) -> torch.Tensor:
+    """Each turn's credit (:func:`turn_credits`) from a rollout buffer's turn rewards and per-agent rewards."""
+    return turn_credits(buffer.rewards, mode, credit_discount, team_rewards=buffer.agent_rewards, played=buffer.played)
+
+
 class APPOTrainer:
     """Owns the optimizers and runs one PPO update per rollout batch.
 
@@ -70,18 +75,22 @@ class APPOTrainer:
     def agents_to_train(self, iteration: int) -> list[int]:
         """Agents whose policy is updated at ``iteration`` (0-based), as the original MARFT decides it from
         the env steps collected once this iteration's rollout is in: none before ``warmup_steps``, then all
-        agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone."""
+        agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone (the round-robin includes
+        an orchestrator, unless ``--train_orchestrator false`` leaves it out)."""
         env_steps = (iteration + 1) * self.steps_per_iteration
         if env_steps < self.config.warmup_steps:
             return []
+        trainable = list(range(self.team.n_agents))
+        if not self.config.train_orchestrator:
+            trainable = [a for a in trainable if not self.team.profile[a].orchestrator]
         interval = self.config.agent_iteration_interval
         if interval == 0:
-            return list(range(self.team.n_agents))
-        return [(env_steps // interval) % self.team.n_agents]
+            return trainable
+        return [trainable[(env_steps // interval) % len(trainable)]]
 
     def rewards_vary(self, buffer: RolloutBuffer) -> bool:
         """Whether the rewards of the batch (over all processes) are not all equal."""
-        stats = self.dist.mean_std(buffer.rewards.flatten().double())
+        stats = self.dist.mean_std(buffer.agent_rewards.flatten().double())
         return stats is None or float(stats[1]) > 1e-9
 
     def adapter_groups(self, agents: list[int]) -> dict[str, list[int]]:
@@ -111,7 +120,7 @@ class APPOTrainer:
         cfg = self.config
         if cfg.credit_assignment == "env":
             return None
-        return chain_rewards(turn_credits(buffer.rewards, cfg.credit_assignment, cfg.credit_discount), cfg.gamma)
+        return chain_rewards(buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount), cfg.gamma)
 
     def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
         """How many units the losses average over in rows ``indices``: replies at the action level. Gradient

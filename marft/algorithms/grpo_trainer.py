@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from marft.algorithms.advantages import turn_credits
-from marft.algorithms.appo_trainer import APPOTrainer
+from marft.algorithms.appo_trainer import APPOTrainer, buffer_credits
 from marft.algorithms.losses import clipped_policy_loss
 from marft.runner.shared.buffer import RolloutBuffer
 
@@ -46,7 +45,7 @@ class GRPOTrainer(APPOTrainer):
         """Group-relative advantages of the episodes' team returns (``--credit_assignment env``), or of each
         agent's own return from its turns' credits (the other modes)."""
         cfg = self.config
-        credits = None if cfg.credit_assignment == "env" else turn_credits(buffer.rewards, cfg.credit_assignment, cfg.credit_discount)
+        credits = None if cfg.credit_assignment == "env" else buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
         self.counters["zero_variance_groups"] += buffer.compute_group_advantages(self.round_length, cfg.group_size, cfg.grpo_scale_rewards, credits)
 
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

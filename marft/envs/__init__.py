@@ -3,6 +3,7 @@
     >>> from marft import envs
     >>> env = envs.make("math", dataset_path="arithmetic", horizon=2)
     >>> env = envs.make("relay_sum", split="test")   # the cooperative toy task
+    >>> env = envs.make("route", split="test")       # the orchestration toy task
     >>> env = envs.make("my_package.my_module:MyEnv", split="test")   # any importable class, by path
 
 A name is found, in this order: the registry (:func:`register`), an import path ``"module:Attr"``,
@@ -88,8 +89,9 @@ def make(name: str, **kwargs) -> MultiAgentTextEnv:
 register("math", "marft.envs.math.env:MathEnv")
 register("relay_sum", "marft.envs.cooperative:RelaySumEnv")
 register("code", "marft.envs.code.env:CodeEnv")
+register("route", "marft.envs.route:RouteEnv")
 
-GYM_IDS = {"math": "marft/Math-v0", "relay_sum": "marft/RelaySum-v0", "code": "marft/Code-v0"}
+GYM_IDS = {"math": "marft/Math-v0", "relay_sum": "marft/RelaySum-v0", "code": "marft/Code-v0", "route": "marft/Route-v0"}
 """gymnasium ids of the registered environments."""
 for _name, _gym_id in GYM_IDS.items():
     if _gym_id not in gymnasium.registry:

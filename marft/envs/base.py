@@ -1,7 +1,7 @@
 """The base class of marft environments: a team of text agents taking turns on one task.
 
-One *team step* takes one reply from every agent (in profile order). The
-observation is the shared history as text (see ``marft.prompting``)::
+One *team step* takes one reply from every agent (in profile order, or as the env's workflow says: a graph,
+an orchestrator, see :mod:`marft.workflows`). The observation is the shared history as text (see ``marft.prompting``)::
 
     Problem: <problem>
     <Role 1>: <reply>          # step 1
@@ -24,6 +24,11 @@ replies; ``step`` only stores its result. ``state()`` is the global view for a c
 
 What only one agent may see (``private_observations()``) travels in every ``info`` under
 ``"private_observations"`` (one text per agent), so gymnasium wrappers and vector envs pass it on.
+
+Turn by turn: ``speakers()`` says who speaks now, ``visible_turns(agent)`` what that agent sees of the step
+so far, ``take_turn(agent, reply)`` records a reply; once ``speakers()`` is empty, ``step(turn_actions())``
+grades the step (its history then holds the turns as they were taken). ``step(actions)`` with a whole team's
+replies at once is the sequential workflow's step, as before.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import numpy as np
 from gymnasium import spaces
 
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
+from marft.workflows import StepTurns, Workflow, sequential
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +145,10 @@ class MultiAgentTextEnv(gym.Env):
         self.action_space = spaces.Tuple([action_text] * self.n_agents)
         self.episode: EpisodeState | None = None
         self.reward_failures = 0  # steps whose ``evaluate`` raised (reward 0, logged)
+        self.workflow: Workflow = sequential(self.roles)
+        """Who speaks when within a team step (:mod:`marft.workflows`); the runner sets the profile's (:meth:`set_workflow`)."""
+        self.turns: StepTurns = self.workflow.start()
+        """The team step in progress, turn by turn."""
 
     num_tasks: int | None = None
     """How many tasks the env holds (a subclass with a task list sets it, e.g. as a property); None: tasks
@@ -185,10 +195,12 @@ class MultiAgentTextEnv(gym.Env):
         problem = str(task["problem"])
         return EpisodeState(problem=problem, answer=str(task["answer"]), history=format_problem(problem))
 
-    def transition(self, state: EpisodeState, actions: Sequence[str]) -> EpisodeState:
+    def transition(self, state: EpisodeState, actions: Sequence[str], turns: Sequence[tuple[str, str]] | None = None) -> EpisodeState:
         """The state after the team replies ``actions`` in ``state``.
 
-        Pure: ``state`` is immutable, and nothing random is drawn.
+        Pure: ``state`` is immutable, and nothing random is drawn. ``turns``: the step's ``(role, text)`` turns as
+        they were taken (a workflow's order, host lines included) to append to the history; None: every agent's
+        reply in profile order.
 
         Returns:
             EpisodeState: history extended by every agent's turn (and judge feedback when the
@@ -202,7 +214,8 @@ class MultiAgentTextEnv(gym.Env):
             outcome = StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info=info)
         if len(outcome.rewards) != self.n_agents:
             raise ValueError(f"evaluate returned {len(outcome.rewards)} rewards for {self.n_agents} agents")
-        history = state.history + "".join(format_turn(role, text) for role, text in zip(self.roles, actions))
+        spoken = zip(self.roles, actions) if turns is None else turns
+        history = state.history + "".join(format_turn(role, text) for role, text in spoken)
         step = state.step + 1
         # The horizon is part of the task (the team gets ``horizon`` attempts), so running out of
         # attempts terminates the episode; ``truncated`` is left for outside time limits.
@@ -233,6 +246,7 @@ class MultiAgentTextEnv(gym.Env):
         super().reset(seed=seed)
         task = self.sample_task(options)
         self.episode = self.initial_state(task)
+        self.turns = self.workflow.start()
         extras = {k: v for k, v in task.items() if k != "problem"}
         return self.episode.history, {"step": 0, **extras, PRIVATE_KEY: tuple(self.private_observations())}
 
@@ -248,7 +262,15 @@ class MultiAgentTextEnv(gym.Env):
         """
         if self.episode is None or self.episode.done:
             raise RuntimeError("call reset() before step() (the episode is over or never started)")
-        self.episode = self.transition(self.episode, actions)
+        turns = None
+        if self.turns.entries or self.turns.waiting:  # the replies came turn by turn
+            if not self.turns.finished:
+                raise RuntimeError(f"the team step is not complete: {[self.roles[a] for a in self.speakers()]} still to speak")
+            if tuple(actions) != self.turn_actions():
+                raise ValueError("step(actions) after take_turn(): pass turn_actions(), the replies the turns recorded")
+            turns = self.workflow.visible_turns(self.turns, -1)
+        self.episode = self.transition(self.episode, actions, turns)
+        self.turns = self.workflow.start()
         outcome = self.episode.outcome
         if "reward_error" in outcome.info:
             self.reward_failures += 1
@@ -262,6 +284,38 @@ class MultiAgentTextEnv(gym.Env):
         if self.episode is None:
             raise RuntimeError("call reset() first")
         return self.episode.history
+
+    # ---- turn by turn
+
+    def set_workflow(self, workflow: Workflow) -> None:
+        """Play team steps by ``workflow`` (its roles must be the env's); starts a fresh team step."""
+        if tuple(workflow.roles) != self.roles:
+            raise ValueError(f"the workflow's roles {list(workflow.roles)} are not the env's {list(self.roles)}")
+        self.workflow = workflow
+        self.turns = workflow.start()
+
+    def speakers(self) -> list[int]:
+        """The agents that speak now in the current team step (several: a graph layer, in parallel); empty once
+        the step is complete and ready for ``step(turn_actions())``."""
+        return self.workflow.speakers(self.turns)
+
+    def visible_turns(self, agent: int) -> list[tuple[str, str]]:
+        """``(role, text)`` of this team step's turns so far, as ``agent`` sees them after the history."""
+        return self.workflow.visible_turns(self.turns, agent)
+
+    def take_turn(self, agent: int, reply: str) -> None:
+        """Record ``agent``'s reply in the current team step.
+
+        Raises:
+            ValueError: ``agent`` is not due to speak.
+        """
+        if not isinstance(reply, str):
+            raise TypeError(f"reply of {self.roles[agent]} must be a str, got {type(reply).__name__}")
+        self.workflow.take(self.turns, agent, reply)
+
+    def turn_actions(self) -> tuple[str, ...]:
+        """The replies to grade for the turns taken (one per agent; see :meth:`Workflow.actions`)."""
+        return self.workflow.actions(self.turns)
 
     # ---- checkpoints
 
@@ -290,6 +344,7 @@ class MultiAgentTextEnv(gym.Env):
             self.episode = _episode_from_dict(cls, episode)
         for name, value in state.get("counters", {}).items():
             setattr(self, name, int(value))
+        self.turns = self.workflow.start()  # checkpoints are taken between team steps
 
     # ---- helpers
 

@@ -88,7 +88,8 @@ class TextVectorEnv(VectorEnv):
         """Step every env with its team's replies; reset the ones that finish (same-step autoreset).
 
         Args:
-            actions: shape ``(num_envs, n_agents)``: ``actions[k][i]`` is agent ``i``'s reply in env ``k``.
+            actions: shape ``(num_envs, n_agents)``: ``actions[k][i]`` is agent ``i``'s reply in env ``k``; None for
+                an env whose replies came turn by turn (``take_turn``): it grades its ``turn_actions()``.
             active: ``(num_envs,)`` bool, the envs to step (None: all); the others are left as they are
                 (their action is ignored, reward 0, neither terminated nor truncated, the same observation).
 
@@ -104,6 +105,8 @@ class TextVectorEnv(VectorEnv):
         if len(actions) != self.num_envs:
             raise ValueError(f"expected actions for {self.num_envs} envs, got {len(actions)}")
         stepped = np.ones(self.num_envs, dtype=bool) if active is None else np.asarray(active, dtype=bool)
+        actions = [env.unwrapped.turn_actions() if team_actions is None and go else team_actions
+                   for env, team_actions, go in zip(self.envs, actions, stepped)]
         for env, team_actions, go in zip(self.envs, actions, stepped):  # start every env's slow grading at once (e.g. sandboxes)
             pregrade = getattr(env.unwrapped, "pregrade", None)
             if pregrade is not None and go:
@@ -125,6 +128,16 @@ class TextVectorEnv(VectorEnv):
             observations.append(obs)
         self._remember_private(infos)
         return tuple(observations), rewards, terminated, truncated, infos
+
+    @property
+    def bases(self) -> list[MultiAgentTextEnv]:
+        """The unwrapped envs (where the turn-by-turn methods live: ``speakers``, ``take_turn``, ...)."""
+        return [env.unwrapped for env in self.envs]
+
+    def set_workflow(self, workflow) -> None:
+        """Every env plays team steps by ``workflow`` (:meth:`MultiAgentTextEnv.set_workflow`)."""
+        for env in self.bases:
+            env.set_workflow(workflow)
 
     def _remember_private(self, infos: dict) -> None:
         given = infos.get(f"_{PRIVATE_KEY}", np.zeros(self.num_envs, dtype=bool))

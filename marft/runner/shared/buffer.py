@@ -1,26 +1,35 @@
-"""Preallocated storage of one rollout batch (action level).
+"""Preallocated storage of one rollout batch: turns, each tagged with the agent that spoke it.
 
-Fields and shapes (T = episode_length, E = n_rollout_threads, N = n_agents,
+A team step of a workflow (:mod:`marft.workflows`) takes up to S turns per env: S = N with the sequential
+workflow or a graph (slot n is then agent n), 2·max_turns + 1 with an orchestrator. Turn k of env e's team
+step t sits in slot ``(t, e, k)``, its agent in ``agent[t, e, k]`` (-1: the slot holds no turn). Every
+advantage estimator runs along each env's own sequence of played turns.
+
+Fields and shapes (T = episode_length, E = n_rollout_threads, S = turn slots per step, N = n_agents,
 P = max prompt length, L = max_new_tokens):
 
-* ``prompt_ids, prompt_mask``      (T, E, N, P)  left-padded prompt of each agent turn
-* ``response_ids, response_mask``  (T, E, N, L)  right-padded reply (mask through the first EOS)
-* ``logprobs``                     (T, E, N, L)  token log-probs at sampling time
-* ``values``                       (T + 1, E, N) critic values; ``values[T, :, 0]`` bootstraps
-* ``rewards``                      (T, E, N)
+* ``agent``                        (T, E, S)     the agent of each turn, -1 for an empty slot
+* ``prompt_ids, prompt_mask``      (T, E, S, P)  left-padded prompt of each turn
+* ``response_ids, response_mask``  (T, E, S, L)  right-padded reply (mask through the first EOS)
+* ``logprobs``                     (T, E, S, L)  token log-probs at sampling time
+* ``values``                       (T + 1, E, S) critic values; ``values[T, :, 0]`` bootstraps (the value of
+                                                 each env's next turn)
+* ``agent_rewards``                (T, E, N)     the env's per-agent rewards of step t
+* ``rewards``                      (T, E, S)     each turn's reward: an agent's reward sits on its last turn
+                                                 of the step (an agent that did not speak has no turn to credit)
 * ``terminated``                   (T, E)        the episode ended after step t for good (no bootstrap)
 * ``truncated``                    (T, E)        the episode was cut after step t (gymnasium's time limit):
                                                  it bootstraps from ``final_values``
 * ``final_values``                 (T, E)        critic value of a truncated episode's final observation
-                                                 (the first agent's turn that never came), 0 elsewhere
-* ``active``                       (T, E)        the env played step t (GRPO: an env whose episode ended before
-                                                 its group's did sits out the rest of the round); inactive
-                                                 cells are left out of every sample
-* ``n_words``                      (T, E, N)     words in each decoded reply (for ``normalization_mode=word``)
-* ``advantages, returns``          (T, E, N)     action level, filled by :meth:`compute_advantages` (or
+                                                 (the first speaker's turn that never came), 0 elsewhere
+* ``n_words``                      (T, E, S)     words in each decoded reply (for ``normalization_mode=word``)
+* ``advantages, returns``          (T, E, S)     action level, filled by :meth:`compute_advantages` (or
                                                  :meth:`compute_group_advantages`, critic-free)
-* ``token_values``                 (T, E, N, L)  token-level critic values at sampling time (MARFT-T)
-* ``token_advantages, token_returns`` (T, E, N, L) token level, filled by :meth:`compute_token_advantages`
+* ``token_values``                 (T, E, S, L)  token-level critic values at sampling time (MARFT-T)
+* ``token_advantages, token_returns`` (T, E, S, L) token level, filled by :meth:`compute_token_advantages`
+
+``active`` (T, E) says which envs played step t (GRPO: an env whose episode ended before its group's did sits
+out the rest of the round); ``played`` (T, E, S) which slots hold a turn. Empty slots are left out of every sample.
 """
 
 from __future__ import annotations
@@ -32,50 +41,74 @@ from marft.algorithms.advantages import agent_chain_gae, group_relative_advantag
 
 
 class RolloutBuffer:
-    def __init__(self, episode_length: int, n_envs: int, n_agents: int, max_prompt_len: int, max_new_tokens: int, pad_id: int):
+    def __init__(
+        self, episode_length: int, n_envs: int, n_agents: int, max_prompt_len: int, max_new_tokens: int, pad_id: int,
+        slots_per_step: int | None = None,
+    ):
         T, E, N, P, L = episode_length, n_envs, n_agents, max_prompt_len, max_new_tokens
-        self.shape = (T, E, N)
+        S = n_agents if slots_per_step is None else slots_per_step
+        self.shape = (T, E, S)
+        self.n_agents = N
         self.pad_id = pad_id
-        self.prompt_ids = torch.full((T, E, N, P), pad_id, dtype=torch.long)
-        self.prompt_mask = torch.zeros((T, E, N, P), dtype=torch.long)
-        self.response_ids = torch.full((T, E, N, L), pad_id, dtype=torch.long)
-        self.response_mask = torch.zeros((T, E, N, L), dtype=torch.long)
-        self.logprobs = torch.zeros((T, E, N, L))
-        self.values = torch.zeros((T + 1, E, N))
-        self.rewards = torch.zeros((T, E, N))
+        self.agent = torch.full((T, E, S), -1, dtype=torch.long)
+        self.prompt_ids = torch.full((T, E, S, P), pad_id, dtype=torch.long)
+        self.prompt_mask = torch.zeros((T, E, S, P), dtype=torch.long)
+        self.response_ids = torch.full((T, E, S, L), pad_id, dtype=torch.long)
+        self.response_mask = torch.zeros((T, E, S, L), dtype=torch.long)
+        self.logprobs = torch.zeros((T, E, S, L))
+        self.values = torch.zeros((T + 1, E, S))
+        self.agent_rewards = torch.zeros((T, E, N))
+        self.rewards = torch.zeros((T, E, S))
         self.terminated = torch.zeros((T, E), dtype=torch.bool)
         self.truncated = torch.zeros((T, E), dtype=torch.bool)
         self.final_values = torch.zeros((T, E))
-        self.active = torch.ones((T, E), dtype=torch.bool)
-        self.n_words = torch.zeros((T, E, N))
-        self.advantages = torch.zeros((T, E, N))
-        self.returns = torch.zeros((T, E, N))
-        self.token_values = torch.zeros((T, E, N, L))
-        self.token_advantages = torch.zeros((T, E, N, L))
-        self.token_returns = torch.zeros((T, E, N, L))
+        self.n_words = torch.zeros((T, E, S))
+        self.advantages = torch.zeros((T, E, S))
+        self.returns = torch.zeros((T, E, S))
+        self.token_values = torch.zeros((T, E, S, L))
+        self.token_advantages = torch.zeros((T, E, S, L))
+        self.token_returns = torch.zeros((T, E, S, L))
 
-    def insert_turn(self, step: int, agent: int, turn: TurnOutput, envs: torch.Tensor | None = None) -> None:
-        """Store one agent's turn for all envs (or for the envs listed in ``envs``, one per row of ``turn``);
-        its prompt is right-aligned (left padding kept)."""
+    @property
+    def played(self) -> torch.Tensor:
+        """``(T, E, S)`` the slot holds a turn."""
+        return self.agent >= 0
+
+    @property
+    def active(self) -> torch.Tensor:
+        """``(T, E)`` env e played step t (took at least one turn)."""
+        return self.played.any(-1)
+
+    def insert_turn(self, step: int, agent: int, turn: TurnOutput, envs=None, slots=None) -> None:
+        """Store one agent's turn for all envs (or for the envs listed in ``envs``, one per row of ``turn``) in
+        slot ``slots`` (one per row; default: slot ``agent``, the sequential workflow's); its prompt is
+        right-aligned (left padding kept)."""
         at = slice(None) if envs is None else torch.as_tensor(envs, dtype=torch.long)
+        slot = agent if slots is None else torch.as_tensor(slots, dtype=torch.long)
         width = turn.prompt_ids.shape[1]
         prompt_ids = torch.full((turn.prompt_ids.shape[0], self.prompt_ids.shape[-1]), self.pad_id, dtype=torch.long)  # (B, P)
         prompt_mask = torch.zeros_like(prompt_ids)
         prompt_ids[:, -width:], prompt_mask[:, -width:] = turn.prompt_ids.cpu(), turn.prompt_mask.cpu()
-        self.prompt_ids[step, at, agent] = prompt_ids
-        self.prompt_mask[step, at, agent] = prompt_mask
-        self.response_ids[step, at, agent] = turn.response_ids.cpu()
-        self.response_mask[step, at, agent] = turn.response_mask.cpu()
-        self.logprobs[step, at, agent] = turn.logprobs.float().cpu()
+        self.agent[step, at, slot] = agent
+        self.prompt_ids[step, at, slot] = prompt_ids
+        self.prompt_mask[step, at, slot] = prompt_mask
+        self.response_ids[step, at, slot] = turn.response_ids.cpu()
+        self.response_mask[step, at, slot] = turn.response_mask.cpu()
+        self.logprobs[step, at, slot] = turn.logprobs.float().cpu()
         if turn.values is not None:
-            self.values[step, at, agent] = turn.values.float().cpu()
+            self.values[step, at, slot] = turn.values.float().cpu()
         if turn.token_values is not None:
-            self.token_values[step, at, agent] = turn.token_values.float().cpu()
-        self.n_words[step, at, agent] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
+            self.token_values[step, at, slot] = turn.token_values.float().cpu()
+        self.n_words[step, at, slot] = torch.tensor([max(len(t.split()), 1) for t in turn.texts], dtype=torch.float)
 
     def insert_step(self, step: int, rewards, terminated, truncated) -> None:
-        """Rewards ``(E, N)`` and the episode ends ``terminated (E,)``, ``truncated (E,)`` after all agents acted at ``step``."""
-        self.rewards[step] = torch.as_tensor(rewards, dtype=torch.float)
+        """Rewards ``(E, N)`` (one per agent) and the episode ends ``terminated (E,)``, ``truncated (E,)`` after
+        the team step ``step``: agent n's reward goes to its last turn of the step (insert the turns first)."""
+        self.agent_rewards[step] = torch.as_tensor(rewards, dtype=torch.float)
+        spoke = self.agent[step].unsqueeze(-1) == torch.arange(self.n_agents)  # (E, S, N)
+        later = spoke.flip(1).cumsum(1).flip(1) - spoke.long()  # (E, S, N): the agent's turns after slot s
+        last = spoke & (later == 0)
+        self.rewards[step] = (last.float() * self.agent_rewards[step].unsqueeze(1)).sum(-1)
         self.terminated[step] = torch.as_tensor(terminated, dtype=torch.bool)
         self.truncated[step] = torch.as_tensor(truncated, dtype=torch.bool)
 
@@ -85,16 +118,17 @@ class RolloutBuffer:
         return self.terminated | self.truncated
 
     def compute_advantages(self, gamma: float, gae_lambda: float, rewards: torch.Tensor | None = None) -> None:
-        """Agent-chain GAE on ``rewards`` (T, E, N) (default: the env's, :attr:`rewards`)."""
+        """GAE along each env's turns on ``rewards`` (T, E, S) (default: the turns' own, :attr:`rewards`)."""
         self.advantages, self.returns = agent_chain_gae(
             self.rewards if rewards is None else rewards, self.values, self.terminated, gamma, gae_lambda,
-            truncated=self.truncated, final_values=self.final_values,
+            truncated=self.truncated, final_values=self.final_values, played=self.played,
         )
 
     def compute_token_advantages(
         self, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float, rewards: torch.Tensor | None = None
     ) -> None:
-        """Token-chain GAE on ``rewards`` (T, E, N) (default: the env's, :attr:`rewards`)."""
+        """Token-chain GAE on ``rewards`` (T, E, S) (default: the turns' own, :attr:`rewards`); empty slots have no
+        reply tokens, so the chain passes over them."""
         self.token_advantages, self.token_returns = token_chain_gae(
             self.rewards if rewards is None else rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.terminated,
             gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=self.truncated, final_values=self.final_values,
@@ -102,34 +136,41 @@ class RolloutBuffer:
 
     def compute_group_advantages(self, round_length: int, group_size: int, scale: bool, credits: torch.Tensor | None = None) -> int:
         """Critic-free: every turn's advantage is its episode's group-relative return
-        (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, N),
-        each agent's return from its own credits); ``returns`` hold the episode returns.
+        (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, S),
+        each agent's return from its own turns' credits); ``returns`` hold the episode returns.
         Returns how many groups had no return variance (their advantages are 0)."""
-        self.advantages, self.returns, zero_variance = group_relative_advantages(
-            self.rewards if credits is None else credits, self.active, round_length, group_size, scale, per_agent=credits is not None
-        )
+        played = self.played
+        if credits is None:  # the team's return: one column, on every turn
+            advantages, returns, zero_variance = group_relative_advantages(self.agent_rewards, self.active, round_length, group_size, scale)
+            self.advantages = advantages[..., :1] * played
+            self.returns = returns[..., :1] * played
+            return zero_variance
+        spoke = (self.agent.unsqueeze(-1) == torch.arange(self.n_agents)).float()  # (T, E, S, N)
+        per_agent = (credits.unsqueeze(-1) * spoke).sum(2)  # (T, E, N): each agent's credits of the step
+        advantages, returns, zero_variance = group_relative_advantages(per_agent, self.active, round_length, group_size, scale, per_agent=True)
+        self.advantages = (spoke * advantages.unsqueeze(2)).sum(-1)  # (T, E, S): the turn's agent's column
+        self.returns = (spoke * returns.unsqueeze(2)).sum(-1)
         return zero_variance
 
     ACTION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
     TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
 
     def agent_samples(self, agents: int | list[int], token_level: bool = False) -> dict[str, torch.Tensor]:
-        """The turns of one agent, or of several (agents sharing an adapter), flattened over (T, E):
-        every tensor gets a leading dim of T·E per agent."""
+        """The turns of one agent, or of several (agents sharing an adapter), agent by agent, each agent's in
+        (step, env, slot) order: every tensor gets a leading dim of that many turns."""
         agents = [agents] if isinstance(agents, int) else list(agents)
         fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
-        played = self.active.flatten()  # (T·E,) the turns that were played
-        samples = {name: torch.cat([getattr(self, name)[:, :, a].flatten(0, 1)[played] for a in agents]) for name in fields}
+        rows = [(self.agent == a).flatten() for a in agents]  # per agent, (T·E·S,)
+        samples = {name: torch.cat([getattr(self, name).flatten(0, 2)[mine] for mine in rows]) for name in fields}
         if not token_level:
-            samples["values"] = torch.cat([self.values[:-1, :, a].flatten(0, 1)[played] for a in agents])
+            samples["values"] = torch.cat([self.values[:-1].flatten(0, 2)[mine] for mine in rows])
         return samples
 
     def critic_samples(self, token_level: bool = False, agents: list[int] | None = None) -> dict[str, torch.Tensor]:
-        """Every agent turn (or the turns of ``agents``, for a per-agent critic) flattened over (T, E, N):
+        """Every turn (or the turns of ``agents``, for a per-agent critic) in (step, env, slot) order:
         prompts with values and returns (token level: also the replies with per-token values and returns)."""
-        keep = torch.zeros(self.shape[-1], dtype=torch.bool)
-        keep[agents if agents is not None else slice(None)] = True
-        played = (self.active.unsqueeze(-1) & keep).flatten()  # (T·E·N,)
+        keep = self.played if agents is None else torch.isin(self.agent, torch.as_tensor(agents, dtype=torch.long))
+        played = keep.flatten()  # (T·E·S,)
         if token_level:
             fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
             return {name: getattr(self, name).flatten(0, 2)[played] for name in fields}

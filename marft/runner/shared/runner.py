@@ -27,6 +27,8 @@ from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
+from marft.runner.shared.diagnostics import TeamDiagnostics, write_transcripts
+from marft.runner.shared.turns import play_team_step
 from marft.runner.shared.checkpoint import (
     cleanup_partial_checkpoints,
     config_changes,
@@ -73,6 +75,10 @@ class Runner:
             (self.run_dir / "config.json").write_text(config.to_json())
             self.writer.add_text("config", _markdown_table(config.to_dict()))
         self.roles = [spec.role for spec in team.profile]
+        self.diagnostics = TeamDiagnostics(self.roles)
+        """Per-role figures (turns, reply lengths, advantages, the orchestrator's calls) for TensorBoard."""
+        self.last_transcripts: list[dict] = []
+        """The last evaluation's episodes, every turn with its speaking role (written to ``transcripts/`` on rank 0)."""
         self.start_iteration = 0
         self.env_steps = 0  # all processes together
         self.obs, _ = envs.reset(seed=config.runner.seed + dist.rank * envs.n_envs)  # rank r's env k: seed + r * E/P + k
@@ -106,7 +112,9 @@ class Runner:
     def _collect(self, iteration: int) -> tuple[RolloutBuffer, dict]:
         rc, team, trainer = self.config.runner, self.team, self.trainer
         T, E, N = rc.episode_length, self.envs.n_envs, team.n_agents  # this process's envs
-        buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id)
+        bases = self.envs.bases
+        buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
+                               slots_per_step=bases[0].workflow.max_turns_per_step)
         finished_returns, finished_correct, tokens = [], [], 0
         horizon = self.config.env.horizon
         live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
@@ -115,23 +123,22 @@ class Runner:
             if trainer.group_relative and step % horizon == 0:  # a new round: every group starts one episode
                 self._start_group_round(iteration, step // horizon)
                 live[:] = True
-            buffer.active[step] = torch.as_tensor(live)
             if not live.any():
                 continue
             rows = np.flatnonzero(live)  # every env, except in a round whose episodes ended early
-            # 1. every agent replies in turn on every env (the critic, if any, values each turn)
-            outs = team.play_step(
-                [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
+            # 1. the team plays one step on every env, turn by turn (the critic, if any, values each turn)
+            played = play_team_step(
+                team, [bases[e] for e in rows], [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
                 with_values=trainer.uses_critic, token_values=trainer.token_level,
             )
-            for agent, out in enumerate(outs):
-                buffer.insert_turn(step, agent, out, envs=None if live.all() else rows)
-                tokens += int(out.response_mask.sum())
-            # 2. the envs judge the replies; finished episodes restart in the same call
-            actions: list = [None] * E
-            for j, e in enumerate(rows):
-                actions[e] = [out.texts[j] for out in outs]  # (N,) replies of env e
-            self.obs, rewards, terminated, truncated, infos = self.envs.step(actions, active=None if live.all() else live)
+            next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
+            for batch in played:
+                buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows])
+                next_slot[batch.rows] += 1
+                tokens += int(batch.out.response_mask.sum())
+            self.diagnostics.count_step([bases[e].turns for e in rows])
+            # 2. the envs grade the step; finished episodes restart in the same call
+            self.obs, rewards, terminated, truncated, infos = self.envs.step([None] * E, active=None if live.all() else live)
             buffer.insert_step(step, rewards, terminated, truncated)
             if truncated.any() and trainer.uses_critic:  # a truncated episode bootstraps from its final observation's value
                 buffer.final_values[step] = self._final_values(infos, truncated)
@@ -144,11 +151,9 @@ class Runner:
                 if "correct" in final_info and final_info["_correct"][e]:
                     finished_correct.append(float(final_info["correct"][e]))
                 self.episode_returns[e] = 0.0
-        if trainer.uses_critic and not buffer.dones[T - 1].all():  # the value of the first agent's next turn bootstraps unfinished episodes
+        if trainer.uses_critic and not buffer.dones[T - 1].all():  # the value of each env's next turn bootstraps unfinished episodes
             with torch.no_grad():
-                private = [texts[0] for texts in self.envs.private_observations]
-                prompt_ids, prompt_mask = team.encode_prompts(0, self.obs, [[] for _ in range(E)], private)
-                buffer.values[T, :, 0] = team.values(prompt_ids, prompt_mask, agent=0).float().cpu()
+                buffer.values[T, :, 0] = self._first_turn_values(self.obs, self.envs.private_observations)
         seconds = time.perf_counter() - start
         self.env_steps += T * rc.n_rollout_threads  # all processes' envs
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
@@ -156,20 +161,27 @@ class Runner:
             stats["charts/episode_return"] = float(np.mean(finished_returns))
         if finished_correct:
             stats["charts/accuracy"] = float(np.mean(finished_correct))
-        stats["charts/step_reward"] = float(buffer.rewards.mean())
+        stats["charts/step_reward"] = float(buffer.agent_rewards.mean())
         stats["charts/truncated_episodes"] = float(buffer.truncated.sum())
         return buffer, stats
 
     @torch.no_grad()
+    def _first_turn_values(self, observations, private) -> torch.Tensor:
+        """``(B,)`` the critic's value of each observation as the first turn of a team step (its workflow's first
+        speaker: agent 0 in profile order, the orchestrator when there is one)."""
+        first = self.envs.bases[0].workflow.start().due[0]
+        prompt_ids, prompt_mask = self.team.encode_prompts(first, list(observations), [[] for _ in observations], [texts[first] for texts in private])
+        return self.team.values(prompt_ids, prompt_mask, agent=first).float().cpu()
+
+    @torch.no_grad()
     def _final_values(self, infos: dict, truncated: np.ndarray) -> torch.Tensor:
-        """``(E,)`` the critic's value of each truncated episode's final observation (as the first agent's turn
-        that never came), 0 for the other envs."""
+        """``(E,)`` the critic's value of each truncated episode's final observation (as the first turn that never
+        came), 0 for the other envs."""
         rows = np.flatnonzero(truncated)
-        final_obs = [infos["final_obs"][e] for e in rows]
-        private = [infos["final_info"][PRIVATE_KEY][e][0] for e in rows]
-        prompt_ids, prompt_mask = self.team.encode_prompts(0, final_obs, [[] for _ in rows], private)
         values = torch.zeros(len(truncated))
-        values[torch.as_tensor(rows)] = self.team.values(prompt_ids, prompt_mask, agent=0).float().cpu()
+        values[torch.as_tensor(rows)] = self._first_turn_values(
+            [infos["final_obs"][e] for e in rows], [infos["final_info"][PRIVATE_KEY][e] for e in rows]
+        )
         return values
 
     # ------------------------------------------------------------------ evaluation
@@ -198,7 +210,8 @@ class Runner:
         n = n_episodes or rc.eval_episodes
         episodes = list(range(n))[self.dist.rank :: self.dist.world_size]
         envs = [probe] + [make_env() for _ in range(min(rc.n_eval_threads, len(episodes)) - 1)]
-        returns, correct = [], []
+        returns, correct, transcripts = [], [], []
+        self.diagnostics.reset("eval")
         for first in range(0, len(episodes), len(envs)):
             batch = episodes[first : first + len(envs)]
             obs, infos = zip(*[
@@ -210,11 +223,15 @@ class Runner:
             ep_return = np.zeros(len(batch))
             last_correct = np.zeros(len(batch))
             private = [info[PRIVATE_KEY] for info in infos]
+            turns = [[] for _ in batch]  # per episode, every step's turns with the speaking role
             while live:
-                outs = team.play_step([obs[i] for i in live], [private[i] for i in live], with_values=False)  # one per agent
+                bases = [envs[i].unwrapped for i in live]
+                play_team_step(team, bases, [obs[i] for i in live], [private[i] for i in live])
+                self.diagnostics.count_step([base.turns for base in bases], evaluation=True)
                 still_live = []
-                for j, i in enumerate(live):
-                    obs[i], rewards, terminated, truncated, info = envs[i].step([out.texts[j] for out in outs])
+                for base, i in zip(bases, live):
+                    turns[i].append([{"role": role, "text": text} for role, text in base.visible_turns(-1)])
+                    obs[i], rewards, terminated, truncated, info = envs[i].step(base.turn_actions())
                     private[i] = info[PRIVATE_KEY]
                     ep_return[i] += float(np.mean(rewards))
                     last_correct[i] = float(info.get("correct", 0.0))
@@ -223,6 +240,11 @@ class Runner:
                 live = still_live
             returns.extend(ep_return.tolist())
             correct.extend(last_correct.tolist())
+            transcripts.extend(
+                {"episode": k, "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i])}
+                for i, k in enumerate(batch)
+            )
+        self.last_transcripts = transcripts
         if self.dist.enabled:
             total_correct, total_return, count = self.dist.sum_floats([sum(correct), sum(returns), len(returns)])
             return {"accuracy": total_correct / count, "return": total_return / count, "episodes": int(count)}
@@ -327,6 +349,7 @@ class Runner:
         if rc.load_path:
             self.restore(rc.load_path)
         before = self.evaluate()
+        calls_before = self.diagnostics.call_distribution()
         self._log_eval(before, self.start_iteration)
         self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
         n_iterations = self.config.num_iterations
@@ -335,6 +358,7 @@ class Runner:
             start = time.perf_counter()
             buffer, stats = self.collect(iteration)
             self.trainer.compute_advantages(buffer)
+            stats.update(self.diagnostics.rollout_stats(buffer))
             metrics = self._update(buffer, iteration)
             stats["charts/iteration_seconds"] = time.perf_counter() - start
             stats["charts/env_steps"] = self.env_steps
@@ -351,6 +375,7 @@ class Runner:
             if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < n_iterations:
                 self._log_eval(self.evaluate(), iteration + 1)
         after = self.evaluate()
+        calls_after = self.diagnostics.call_distribution()
         self._log_eval(after, n_iterations)
         checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
         if n_iterations > self.start_iteration and not self.dist.broadcast_object(checkpoint.exists()):  # rank 0's view
@@ -366,6 +391,8 @@ class Runner:
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint.exists() else None,
         }
+        if calls_before or calls_after:  # an orchestrated team: whom the orchestrator called in the evaluations
+            summary.update(orchestrator_calls_before=calls_before, orchestrator_calls_after=calls_after)
         self._print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)")
         if self.dist.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -395,6 +422,11 @@ class Runner:
     def _log_eval(self, result: dict, step: int) -> None:
         self.writer.add_scalar("eval/accuracy", result["accuracy"], step)
         self.writer.add_scalar("eval/return", result["return"], step)
+        for key, value in self.diagnostics.evaluation_stats().items():
+            self.writer.add_scalar(key, value, step)
+        if self.dist.is_main and self.last_transcripts:
+            text = write_transcripts(self.run_dir / "transcripts" / f"eval_{step}.jsonl", self.last_transcripts)
+            self.writer.add_text("eval/transcripts", text, step)
 
 
 class _NullWriter:

@@ -1,0 +1,139 @@
+"""``RouteEnv``: an orchestration toy task with a known optimum (registered as ``route``).
+
+Two specialists keep boxes: the Reasoner the red ones, the Actor the blue ones (their descriptions say so in the
+orchestrator's prompt). The team is asked what a box holds; only the specialist who keeps it sees its number,
+in its private observation. An orchestrator must call that specialist, then end the step::
+
+    Orchestrator's prompt                        the specialist it called
+    <role header: the specialists and whom       <Reasoner role header>
+     they keep>                                  red box 7 holds 42
+    Problem: What does red box 7 hold?
+    Orchestrator:                                Problem: What does red box 7 hold?
+     -> "<call>Reasoner</call>"                   Orchestrator: <call>Reasoner</call>
+                                                 Host: Now it is Reasoner's turn.
+                                                 Reasoner: -> "\\boxed{42}"
+    ... Orchestrator: -> "<done/>"  graded: the team's latest boxed answer is 42 → 1.0 for every agent
+
+* Optimum: 100 % (call the keeper of the asked colour, then ``<done/>``).
+* Routing at random succeeds at most half the time: the other specialist never sees the number (it holds
+  one of 90 two-digit numbers), so only the right call can answer.
+* The (colour, box) tasks are split once, with a fixed seed and stratified by colour, into ``train`` and
+  ``test``; evaluation is on boxes never trained on, so what carries over is the rule (colour → keeper).
+* ``demonstrations(n)`` gives transcripts of the format with routing at random (the keepers answer right,
+  the other says it does not keep the box): a warm start that knows the protocol but not whom to call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
+from marft.envs.math.grader import last_boxed
+from marft.envs.profile import AgentSpec, team_profile
+from marft.prompting import HOST_ROLE, handover_text
+
+COLOURS = ("red", "blue")
+"""Box colours; specialist k (profile order) keeps the boxes of colour k."""
+
+
+@dataclass(frozen=True)
+class RouteState(EpisodeState):
+    """An ``EpisodeState`` that also holds the asked box and its hidden number."""
+
+    colour: int = 0
+    """Index into ``COLOURS`` of the asked box (= the index of the specialist who keeps it)."""
+    box: int = 0
+    """The box number."""
+    number: int = 0
+    """What the box holds (the answer)."""
+
+
+def route_tasks(split: str = "train", n_boxes: int = 20, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
+    """The ``(colour, box)`` tasks of one split, in a seeded order; each colour holds out the same share of its boxes."""
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    rng = np.random.default_rng(seed)
+    n_test = max(1, int(round(test_fraction * n_boxes)))
+    tasks = []
+    for colour in range(len(COLOURS)):
+        held_out = set(int(b) + 1 for b in rng.permutation(n_boxes)[:n_test])
+        tasks += [(colour, box) for box in range(1, n_boxes + 1) if (box in held_out) == (split == "test")]
+    return [tasks[i] for i in rng.permutation(len(tasks))]
+
+
+class RouteEnv(MultiAgentTextEnv):
+    """The orchestrator must call the specialist who keeps the asked box (see the module docstring).
+
+    Args:
+        split: ``"train"`` or ``"test"`` (disjoint sets of boxes).
+        profile: profile path or shipped name, or a list of ``AgentSpec``; default ``route_orchestrated``:
+            two specialists (the keepers of red and blue boxes, in that order) and an orchestrator.
+        n_agents: expected team size (checked against the profile).
+        horizon: attempts per episode.
+        n_boxes: boxes per colour.
+        test_fraction: share of each colour's boxes held out in the ``test`` split.
+    """
+
+    def __init__(self, split: str = "train", profile: str | Path | list[AgentSpec] | None = "route_orchestrated",
+                 n_agents: int | None = None, horizon: int = 1, n_boxes: int = 20, test_fraction: float = 0.2):
+        self.profile = team_profile(profile, n_agents)
+        super().__init__([spec.role for spec in self.profile], horizon=horizon)
+        self.keepers = [n for n, spec in enumerate(self.profile) if not spec.orchestrator][: len(COLOURS)]
+        if len(self.keepers) < len(COLOURS):
+            raise ValueError(f"route needs {len(COLOURS)} specialists (the keepers of {' and '.join(COLOURS)} boxes), the profile has {len(self.keepers)}")
+        self.tasks = route_tasks(split, n_boxes, test_fraction)
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.tasks)
+
+    def sample_task(self, options: dict | None) -> dict:
+        colour, box = self.tasks[self.choose_task(options)]
+        number = int(self.np_random.integers(10, 100))
+        return {"problem": f"What does {COLOURS[colour]} box {box} hold?", "answer": str(number), "colour": colour, "box": box, "number": number}
+
+    def initial_state(self, task: dict) -> RouteState:
+        base = super().initial_state(task)
+        return RouteState(problem=base.problem, answer=base.answer, history=base.history,
+                          colour=int(task["colour"]), box=int(task["box"]), number=int(task["number"]))
+
+    def private_observations(self) -> list[str]:
+        """The keeper of the asked box sees ``"<colour> box <k> holds <number>"``; nobody else sees anything."""
+        if self.episode is None:
+            raise RuntimeError("call reset() first")
+        seen = [""] * self.n_agents
+        state = self.episode
+        seen[self.keepers[state.colour]] = f"{COLOURS[state.colour]} box {state.box} holds {state.number}"
+        return seen
+
+    def evaluate(self, state: RouteState, actions: tuple[str, ...]) -> StepOutcome:
+        """Exact match of the graded reply's last ``\\boxed{}`` (with an orchestrator: the team's latest answer) with the number."""
+        answers = [actions[n] for n, spec in enumerate(self.profile) if spec.with_answer]
+        predicted = last_boxed(answers[-1]) if answers else None
+        correct = predicted == state.answer
+        reward = 1.0 if correct else 0.0
+        return StepOutcome(rewards=(reward,) * self.n_agents, solved=correct, feedback="That is not what the box holds.",
+                           info={"correct": correct, "answer": state.answer, "predicted": predicted})
+
+    def demonstrations(self, n: int) -> list[dict]:
+        """``n`` transcripts of the protocol with routing at random (drawn with ``self.np_random``)."""
+        orchestrator = next(n for n, spec in enumerate(self.profile) if spec.orchestrator)
+        out = []
+        for _ in range(n):
+            colour, box = self.tasks[int(self.np_random.integers(len(self.tasks)))]
+            number = int(self.np_random.integers(10, 100))
+            called = self.keepers[int(self.np_random.integers(len(COLOURS)))]
+            role = self.roles[called]
+            reply = f"\\boxed{{{number}}}" if called == self.keepers[colour] else f"I do not keep {COLOURS[colour]} boxes."
+            out.append({
+                "problem": f"What does {COLOURS[colour]} box {box} hold?",
+                "private": {self.roles[self.keepers[colour]]: f"{COLOURS[colour]} box {box} holds {number}"},
+                "turns": [{"role": self.roles[orchestrator], "text": f"<call>{role}</call>"},
+                          {"role": HOST_ROLE, "text": handover_text(role)},
+                          {"role": role, "text": reply},
+                          {"role": self.roles[orchestrator], "text": "<done/>"}],
+            })
+        return out
