@@ -70,7 +70,7 @@ def test_registry_and_gymnasium_make():
         assert obs == env.reset(seed=3)[0]
         _, rewards, *_ = gym_env.step(("a", "b", "c"))
     assert rewards.shape == (3,)
-    with pytest.raises(ValueError, match="unknown environment 'nope'; registered: code, (dense_relay_sum, )?math, relay_sum"):
+    with pytest.raises(ValueError, match="unknown environment 'nope'; registered: code, (dense_relay_sum, )?(dense_route, )?math, relay_sum, route"):
         envs.make("nope")
 
 
