@@ -54,13 +54,14 @@ def build_env_factories(config: TrainConfig, profile):
 
     ec = config.env
     kwargs = dict(profile=profile, horizon=ec.horizon)
-    workflow_for(profile, ec.workflow, ec.max_turns)  # a --workflow the profile does not describe fails here, before any env is built
+    workflow = workflow_for(profile, ec.workflow, ec.max_turns)  # a --workflow the profile does not describe fails here
+    # (a workflow holds no state of its own, each env its StepTurns: one instance serves every env)
 
     def playing(build):
         """``build``, then every team step of the env played by the profile's workflow."""
         def make_env():
             env = build()
-            env.unwrapped.set_workflow(workflow_for(profile, ec.workflow, ec.max_turns))
+            env.unwrapped.set_workflow(workflow)
             return env
         return make_env
 

@@ -58,6 +58,24 @@ class StepTurns:
         return not self.due
 
 
+def topological_layers(names: Sequence[str], parents: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The layers of a DAG over nodes ``0..n-1`` (``parents[n]``: the nodes n comes after): layer k holds, in
+    node order, the nodes whose parents all lie in earlier layers (Kahn's algorithm).
+
+    Raises:
+        ValueError: the graph has a cycle (naming the nodes on or behind it, by ``names``).
+    """
+    layers: list[list[int]] = []
+    placed: set[int] = set()
+    while len(placed) < len(names):
+        layer = [n for n in range(len(names)) if n not in placed and all(p in placed for p in parents[n])]
+        if not layer:
+            raise ValueError(f"the graph has a cycle among {[names[n] for n in range(len(names)) if n not in placed]}; a workflow graph must be acyclic")
+        layers.append(layer)
+        placed.update(layer)
+    return layers
+
+
 class Workflow:
     """Base class: the roles and the turn-by-turn rules of one team step.
 
@@ -76,6 +94,12 @@ class Workflow:
     max_turns_per_step: int = 0
     """The most turns one team step can take (the rollout buffer keeps this many slots per step)."""
 
+    @property
+    def first_speaker(self) -> int:
+        """The agent whose turn opens every team step (a truncated episode's final observation, and the rollout's
+        end, are valued as its turn)."""
+        return self.start().due[0]
+
     def start(self) -> StepTurns:
         """A fresh team step."""
         raise NotImplementedError
@@ -88,9 +112,13 @@ class Workflow:
         """The agents that speak now and have not replied yet."""
         return [a for a in turns.due if a not in turns.waiting]
 
-    def visible_turns(self, turns: StepTurns, agent: int) -> list[tuple[str, str]]:
-        """``(role, text)`` of the step's turns so far, as ``agent`` sees them (the shared history's continuation)."""
+    def spoken(self, turns: StepTurns) -> list[tuple[str, str]]:
+        """``(role, text)`` of the step's turns so far, host lines included: what the history gains."""
         return [(HOST_ROLE if a < 0 else self.roles[a], text) for a, text in turns.entries]
+
+    def visible_turns(self, turns: StepTurns, agent: int) -> list[tuple[str, str]]:
+        """What ``agent`` sees of the step so far: every turn spoken (the shared history's continuation)."""
+        return self.spoken(turns)
 
     def actions(self, turns: StepTurns) -> tuple[str, ...]:
         """The replies the environment grades: each agent's last reply of the step ("" if it did not speak)."""
@@ -114,14 +142,7 @@ class GraphWorkflow(Workflow):
 
     def __init__(self, roles: Sequence[str], answer_agents: Sequence[int], parents: Sequence[Sequence[int]]):
         super().__init__(roles, answer_agents)
-        self.layers: list[list[int]] = []
-        placed: set[int] = set()
-        while len(placed) < self.n_agents:
-            layer = [n for n in range(self.n_agents) if n not in placed and all(p in placed for p in parents[n])]
-            if not layer:
-                raise ValueError(f"the graph over {list(self.roles)} has a cycle")
-            self.layers.append(layer)
-            placed.update(layer)
+        self.layers = topological_layers(self.roles, parents)
         self.max_turns_per_step = self.n_agents
 
     def start(self) -> StepTurns:
@@ -212,8 +233,8 @@ def workflow_for(profile: Sequence, name: str = "auto", max_turns: int = 5) -> W
     if name == "graph" and found == "sequential":
         found = "graph"  # a graph without edges: every agent in one parallel layer
     if name not in ("auto", found):
-        raise ValueError(f"--workflow {name}: the profile describes a {found} workflow; "
-                         f"{'give a profile with an orchestrator' if name == 'orchestrated' else 'give a profile with a graph' if name == 'graph' else 'use --workflow auto'}")
+        remedy = {"orchestrated": "give a profile with an orchestrator", "graph": "give a profile with a graph"}.get(name, "use --workflow auto")
+        raise ValueError(f"--workflow {name}: the profile describes a {found} workflow; {remedy}")
     if found == "orchestrated":
         if len(orchestrators) > 1:
             raise ValueError(f"the profile has {len(orchestrators)} orchestrators; a team has at most one")

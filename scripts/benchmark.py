@@ -302,7 +302,7 @@ def turns_of(buffer, device) -> list[tuple[int, torch.Tensor, torch.Tensor, int]
 def phase_timer(team, totals: dict):
     """Time the team's phases (encode, generate, score, values, decode) by wrapping its methods."""
     names = {"encode_prompts": "encode", "generate": "generate", "response_logprobs": "score_logprobs",
-             "values": "critic_values", "token_values": "critic_values", "value_turns": "critic_values", "decode": "decode"}
+             "values": "critic_values", "token_values": "critic_values", "value_batches": "critic_values", "decode": "decode"}
     originals = {name: getattr(team, name) for name in names}
 
     def wrap(name, fn):

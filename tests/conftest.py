@@ -27,6 +27,17 @@ def _quiet_warnings():
 
 
 @pytest.fixture
+def clean_registry():
+    """Environments a test registers are gone after it (the registry test lists every registered name)."""
+    import marft.envs
+
+    before = dict(marft.envs._REGISTRY)
+    yield
+    marft.envs._REGISTRY.clear()
+    marft.envs._REGISTRY.update(before)
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread: much faster for the tiny models on a busy 2-core machine."""
     threads = torch.get_num_threads()

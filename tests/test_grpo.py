@@ -83,8 +83,8 @@ def test_a_grpo_run_has_no_critic_anywhere(grpo_runner):
     assert not any(CRITIC_ADAPTER in name.split(".") for name, _ in team.model.named_parameters())
     assert trainer.critic_optimizer is None and "critic_optimizer" not in trainer.state_dict()
     calls = []
-    original = team.value_turns
-    team.value_turns = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = team.value_batches
+    team.value_batches = lambda *a, **k: calls.append(1) or original(*a, **k)
     buffer, _ = runner.collect(0)
     assert calls == [] and torch.equal(buffer.values, torch.zeros_like(buffer.values))
     before = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" in n}
@@ -121,7 +121,7 @@ def test_episodes_that_end_early_sit_out_their_round(random_model_dir, tmp_path)
     assert (buffer.advantages[1, 0] == 0).all() and (buffer.advantages[0, 0] > 0).all()  # env 0 won its group (5 > two steps of at most 1)
 
 
-def test_grpo_refuses_envs_without_tasks_and_bad_group_sizes(random_model_dir, tmp_path):
+def test_grpo_refuses_envs_without_tasks_and_bad_group_sizes(random_model_dir, tmp_path, clean_registry):
     from marft.launch import validate
 
     config = grpo_config(random_model_dir, tmp_path)

@@ -30,14 +30,6 @@ def small_run(model_dir, output_dir, *extra) -> list[str]:
             "--output_dir", str(output_dir), *extra]
 
 
-@pytest.fixture
-def clean_registry():
-    before = dict(marft.envs._REGISTRY)
-    yield
-    marft.envs._REGISTRY.clear()
-    marft.envs._REGISTRY.update(before)
-
-
 def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_registry):
     """Every ```python block of the README, in order, in one namespace (as a reader would paste them)."""
     monkeypatch.chdir(tmp_path)  # the API example writes its run directory under results/

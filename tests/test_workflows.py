@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from marft.algorithms.advantages import agent_chain_gae
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs import MultiAgentTextEnv, StepOutcome
-from marft.envs.profile import load_profile
-from marft.workflows import OrchestratedWorkflow, workflow_for
+from marft.envs.profile import PROFILE_DIR, load_profile
+from marft.workflows import workflow_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,7 +187,7 @@ def run_config(model_dir, tmp_path, profile="reasoner_actor", env="dense_relay_s
 def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model_dir, tmp_path, algorithm):
     """Runner.collect (turn by turn) against the old fixed-order loop (``team.play_step`` per step, every agent's
     reply at once to ``env.step``), same seed: same transcripts, ids, log-probs, values and advantages."""
-    from marft.launch import build_runner, seed_everything
+    from marft.launch import build_runner
     from marft.runner.shared.buffer import RolloutBuffer
 
     runner = build_runner(run_config(random_model_dir, tmp_path, algorithm_name=algorithm))
@@ -224,7 +223,7 @@ def test_a_chain_graph_profile_trains_exactly_like_the_plain_list(random_model_d
     from marft.launch import build_runner
 
     chain = tmp_path / "chain.json"
-    chain.write_text(json.dumps({"agents": json.loads((load_profile.__globals__["PROFILE_DIR"] / "reasoner_actor.json").read_text()),
+    chain.write_text(json.dumps({"agents": json.loads((PROFILE_DIR / "reasoner_actor.json").read_text()),
                                  "graph": {"edges": [["Reasoner", "Actor"]]}}))
     results = []
     for profile in ("reasoner_actor", str(chain)):
@@ -262,6 +261,17 @@ def test_an_orchestrated_rollout_routes_envs_differently_and_trains_every_agent(
     runner.trainer.update(buffer, 0)
     for adapter, params in before.items():
         assert any(not torch.equal(p, q) for p, q in zip(params, team.adapter_parameters(adapter))), adapter
+
+
+def test_invalid_orchestrator_replies_are_counted_by_the_trainer(random_model_dir, tmp_path):
+    """A random model never writes a tag: every training step ends on an invalid reply, counted where checkpoints keep it."""
+    from marft.launch import build_runner
+
+    runner = build_runner(run_config(random_model_dir, tmp_path, profile="route_orchestrated_anonymous", env="dense_route"))
+    buffer, _ = runner.collect(0)
+    assert (buffer.played.sum(-1) == 1).all()  # the orchestrator's one turn per step
+    assert runner.trainer.counters["orchestrator_invalid"] == 3 * 3  # T x E
+    assert "orchestrator_invalid" in runner.trainer.state_dict()["counters"]
 
 
 def test_train_orchestrator_false_keeps_the_orchestrator_as_it_is(random_model_dir, tmp_path, scripted_orchestrator):

@@ -572,8 +572,10 @@ class AgentTeam(nn.Module):
         with_values: bool = True,
         token_values: bool = False,
     ) -> list[TurnOutput]:
-        """One team step on a batch of B conversations: every agent, in profile order, replies to each
-        history, seeing the replies of the agents before it.
+        """One team step of the sequential workflow on a batch of B conversations: every agent, in profile
+        order, replies to each history, seeing the replies of the agents before it. (The runner plays any
+        workflow turn by turn with :func:`marft.runner.shared.turns.play_team_step`; this is the plain
+        fixed-order loop it is tested against.)
 
         Args:
             histories: ``(B,)`` shared observations.
@@ -591,13 +593,8 @@ class AgentTeam(nn.Module):
                 turns.append((spec.role, text))
             outs.append(out)
         if with_values and self.has_critic:
-            self.value_turns(outs, token_values)
+            self.value_batches(list(enumerate(outs)), token_values)
         return outs
-
-    @torch.no_grad()
-    def value_turns(self, turns: Sequence[TurnOutput], token_values: bool = False) -> None:
-        """Critic values of one sequential team step's turns (``turns[n]`` is agent n's): :meth:`value_batches`."""
-        self.value_batches(list(enumerate(turns)), token_values)
 
     @torch.no_grad()
     def value_batches(self, batches: Sequence[tuple[int, TurnOutput]], token_values: bool = False) -> None:

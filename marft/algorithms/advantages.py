@@ -1,31 +1,18 @@
 """Generalised advantage estimation along the agent chain, credit assignment, and group-relative advantages.
 
-In MARFT the agents of a step act one after another, so a rollout of T steps
-with N agents is one chain of T·N decisions per environment: agent i bootstraps
-from agent i+1 of the same step, the last agent from agent 0 of the next step,
-and an episode end cuts the chain after the last agent. Episode ends follow
-gymnasium: a *terminated* episode has no future (its last agent bootstraps from
-nothing); a *truncated* one was cut short from outside (a time limit), so its
-last agent bootstraps from the value of the final observation, ``final_values``.
+In MARFT the agents of a step act one after another, so a rollout is one chain of
+turns per environment: a turn bootstraps from the next turn of its environment
+(whoever speaks it; with the sequential workflow, agent i from agent i+1 and the
+last agent from agent 0 of the next step), and an episode end cuts the chain after
+the step's last turn. Episode ends follow gymnasium: a *terminated* episode has no
+future (its last turn bootstraps from nothing); a *truncated* one was cut short from
+outside (a time limit), so its last turn bootstraps from the value of the final
+observation, ``final_values``.
 """
 
 from __future__ import annotations
 
 import torch
-
-
-def reverse_discounted_sum(x: torch.Tensor, discount: torch.Tensor) -> torch.Tensor:
-    """``out[s] = x[s] + discount[s] * out[s + 1]`` with ``out[S] = 0``, scanned backwards over dim 0.
-
-    Shapes: ``x (S, ...)``, ``discount (S, ...)`` → ``(S, ...)``. Every other dim is processed
-    at once, so the only Python loop is over the S chain positions.
-    """
-    out = torch.empty_like(x)
-    running = torch.zeros_like(x[0])
-    for s in range(x.shape[0] - 1, -1, -1):
-        running = x[s] + discount[s] * running
-        out[s] = running
-    return out
 
 
 def episode_end_values(next_values: torch.Tensor, terminated: torch.Tensor, truncated=None, final_values=None) -> torch.Tensor:

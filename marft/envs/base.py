@@ -268,7 +268,7 @@ class MultiAgentTextEnv(gym.Env):
                 raise RuntimeError(f"the team step is not complete: {[self.roles[a] for a in self.speakers()]} still to speak")
             if tuple(actions) != self.turn_actions():
                 raise ValueError("step(actions) after take_turn(): pass turn_actions(), the replies the turns recorded")
-            turns = self.workflow.visible_turns(self.turns, -1)
+            turns = self.workflow.spoken(self.turns)
         self.episode = self.transition(self.episode, actions, turns)
         self.turns = self.workflow.start()
         outcome = self.episode.outcome
@@ -312,6 +312,10 @@ class MultiAgentTextEnv(gym.Env):
         if not isinstance(reply, str):
             raise TypeError(f"reply of {self.roles[agent]} must be a str, got {type(reply).__name__}")
         self.workflow.take(self.turns, agent, reply)
+
+    def spoken_turns(self) -> list[tuple[str, str]]:
+        """``(role, text)`` of every turn of this team step so far (host lines included), as the history will hold them."""
+        return self.workflow.spoken(self.turns)
 
     def turn_actions(self) -> tuple[str, ...]:
         """The replies to grade for the turns taken (one per agent; see :meth:`Workflow.actions`)."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marft.prompting import HOST_ROLE, JUDGE_ROLE
+from marft.workflows import topological_layers
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -164,13 +165,10 @@ def _with_graph(specs: list[AgentSpec], graph: object, source: str) -> list[Agen
             raise ValueError(f"{source}: graph edge {edge} is a loop; a role cannot speak after itself")
         if src not in parents[dst]:
             parents[dst].append(src)
-    remaining, ordered = list(nodes), []
-    while remaining:  # Kahn's algorithm: whatever cannot be ordered lies on a cycle
-        ready = [r for r in remaining if all(p in ordered for p in parents[r])]
-        if not ready:
-            raise ValueError(f"{source}: the graph has a cycle among {remaining}; a workflow graph must be acyclic")
-        ordered += ready
-        remaining = [r for r in remaining if r not in ready]
+    try:
+        topological_layers(nodes, [[nodes.index(p) for p in parents[r]] for r in nodes])
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
     return [AgentSpec(**{**by_role[r].__dict__, "after": tuple(parents[r])}) for r in nodes]
 
 

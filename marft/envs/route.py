@@ -51,6 +51,16 @@ class RouteState(EpisodeState):
     """What the box holds (the answer)."""
 
 
+def route_problem(colour: int, box: int, number: int) -> dict:
+    """One task: ``problem`` (public text), ``answer`` (``str(number)``), ``colour``, ``box``, ``number``."""
+    return {"problem": f"What does {COLOURS[colour]} box {box} hold?", "answer": str(number), "colour": colour, "box": box, "number": number}
+
+
+def keeper_observation(colour: int, box: int, number: int) -> str:
+    """What only the keeper of the box sees: ``"<colour> box <box> holds <number>"``."""
+    return f"{COLOURS[colour]} box {box} holds {number}"
+
+
 def route_tasks(split: str = "train", n_boxes: int = 20, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
     """The ``(colour, box)`` tasks of one split, in a seeded order; each colour holds out the same share of its boxes."""
     if split not in ("train", "test"):
@@ -92,8 +102,7 @@ class RouteEnv(MultiAgentTextEnv):
 
     def sample_task(self, options: dict | None) -> dict:
         colour, box = self.tasks[self.choose_task(options)]
-        number = int(self.np_random.integers(10, 100))
-        return {"problem": f"What does {COLOURS[colour]} box {box} hold?", "answer": str(number), "colour": colour, "box": box, "number": number}
+        return route_problem(colour, box, int(self.np_random.integers(10, 100)))
 
     def initial_state(self, task: dict) -> RouteState:
         base = super().initial_state(task)
@@ -106,7 +115,7 @@ class RouteEnv(MultiAgentTextEnv):
             raise RuntimeError("call reset() first")
         seen = [""] * self.n_agents
         state = self.episode
-        seen[self.keepers[state.colour]] = f"{COLOURS[state.colour]} box {state.box} holds {state.number}"
+        seen[self.keepers[state.colour]] = keeper_observation(state.colour, state.box, state.number)
         return seen
 
     def evaluate(self, state: RouteState, actions: tuple[str, ...]) -> StepOutcome:
@@ -129,8 +138,8 @@ class RouteEnv(MultiAgentTextEnv):
             role = self.roles[called]
             reply = f"\\boxed{{{number}}}" if called == self.keepers[colour] else f"I do not keep {COLOURS[colour]} boxes."
             out.append({
-                "problem": f"What does {COLOURS[colour]} box {box} hold?",
-                "private": {self.roles[self.keepers[colour]]: f"{COLOURS[colour]} box {box} holds {number}"},
+                "problem": route_problem(colour, box, number)["problem"],
+                "private": {self.roles[self.keepers[colour]]: keeper_observation(colour, box, number)},
                 "turns": [{"role": self.roles[orchestrator], "text": f"<call>{role}</call>"},
                           {"role": HOST_ROLE, "text": handover_text(role)},
                           {"role": role, "text": reply},

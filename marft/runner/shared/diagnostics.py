@@ -28,17 +28,17 @@ class TeamDiagnostics:
         self.calls = {"train": Counter(), "eval": Counter()}  # role -> calls since the last report
         self.steps = {"train": 0, "eval": 0}  # team steps counted since the last report
         self.invalid = {"train": 0, "eval": 0}
-        self.invalid_total = 0
-        """Orchestrator replies in training rollouts with neither a known call nor ``<done/>`` (counters/orchestrator_invalid)."""
 
-    def count_step(self, steps: Sequence[StepTurns], evaluation: bool = False) -> None:
-        """Count the calls of finished team steps (before the envs grade them)."""
+    def count_step(self, steps: Sequence[StepTurns], evaluation: bool = False) -> int:
+        """Count the calls of finished team steps (before the envs grade them); return how many of them ended on
+        an invalid orchestrator reply."""
         phase = "eval" if evaluation else "train"
+        invalid = sum(int(turns.invalid) for turns in steps)
         for turns in steps:
             self.calls[phase].update(self.roles[a] for a in turns.calls)
-            self.invalid[phase] += int(turns.invalid)
-            self.invalid_total += int(turns.invalid and not evaluation)
+        self.invalid[phase] += invalid
         self.steps[phase] += len(steps)
+        return invalid
 
     def reset(self, phase: str) -> None:
         """Forget the calls counted in ``phase`` ("train" or "eval")."""
@@ -53,14 +53,13 @@ class TeamDiagnostics:
         self.reset(phase)
         return out
 
-    def rollout_stats(self, buffer) -> dict[str, float]:
+    def rollout_stats(self, buffer, token_level: bool = False) -> dict[str, float]:
         """Per role, from a buffer whose advantages are computed: ``roles/<role>/turns_per_step``,
-        ``reply_tokens`` and ``advantage`` (token level: the mean over its real reply tokens); the orchestrator's
-        calls per role since the last report; ``counters/orchestrator_invalid``."""
+        ``reply_tokens`` and ``advantage`` (``token_level``: the mean over its real reply tokens); the
+        orchestrator's calls per role since the last report."""
         out = {}
         env_steps = max(int(buffer.active.sum()), 1)
         lengths = buffer.response_mask.sum(-1).float()  # (T, E, S)
-        token_level = bool(buffer.token_advantages.abs().sum() > 0)
         for agent, role in enumerate(self.roles):
             mine = buffer.agent == agent  # (T, E, S)
             count = int(mine.sum())
@@ -74,8 +73,6 @@ class TeamDiagnostics:
             else:
                 out[f"roles/{role}/advantage"] = float(buffer.advantages[mine].mean())
         out.update(self._orchestrator_stats("train", "orchestrator"))
-        if self.invalid_total:
-            out["counters/orchestrator_invalid"] = float(self.invalid_total)
         return out
 
     def evaluation_stats(self) -> dict[str, float]:

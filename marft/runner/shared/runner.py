@@ -29,6 +29,10 @@ from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.runner.shared.diagnostics import TeamDiagnostics, write_transcripts
 from marft.runner.shared.turns import play_team_step
+from marft.workflows import OrchestratedWorkflow
+
+ORCHESTRATOR_INVALID = "orchestrator_invalid"
+"""The trainer counter of orchestrator replies (training rollouts) with neither a known call nor ``<done/>``."""
 from marft.runner.shared.checkpoint import (
     cleanup_partial_checkpoints,
     config_changes,
@@ -85,6 +89,8 @@ class Runner:
         self.episode_returns = np.zeros(envs.n_envs)  # running team return per env
         if trainer.group_relative:
             trainer.round_length = config.env.horizon  # one group episode per env per round of `horizon` steps
+        if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
+            trainer.counters.setdefault(ORCHESTRATOR_INVALID, 0)
 
     def _open_writer(self, purge_step: int | None = None):
         """TensorBoard on rank 0; a writer that drops everything on the other processes."""
@@ -136,7 +142,9 @@ class Runner:
                 buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows])
                 next_slot[batch.rows] += 1
                 tokens += int(batch.out.response_mask.sum())
-            self.diagnostics.count_step([bases[e].turns for e in rows])
+            invalid = self.diagnostics.count_step([bases[e].turns for e in rows])
+            if ORCHESTRATOR_INVALID in trainer.counters:  # a counter the trainer checkpoints, so it survives a resume
+                trainer.counters[ORCHESTRATOR_INVALID] += invalid
             # 2. the envs grade the step; finished episodes restart in the same call
             self.obs, rewards, terminated, truncated, infos = self.envs.step([None] * E, active=None if live.all() else live)
             buffer.insert_step(step, rewards, terminated, truncated)
@@ -169,7 +177,7 @@ class Runner:
     def _first_turn_values(self, observations, private) -> torch.Tensor:
         """``(B,)`` the critic's value of each observation as the first turn of a team step (its workflow's first
         speaker: agent 0 in profile order, the orchestrator when there is one)."""
-        first = self.envs.bases[0].workflow.start().due[0]
+        first = self.envs.bases[0].workflow.first_speaker
         prompt_ids, prompt_mask = self.team.encode_prompts(first, list(observations), [[] for _ in observations], [texts[first] for texts in private])
         return self.team.values(prompt_ids, prompt_mask, agent=first).float().cpu()
 
@@ -230,7 +238,7 @@ class Runner:
                 self.diagnostics.count_step([base.turns for base in bases], evaluation=True)
                 still_live = []
                 for base, i in zip(bases, live):
-                    turns[i].append([{"role": role, "text": text} for role, text in base.visible_turns(-1)])
+                    turns[i].append([{"role": role, "text": text} for role, text in base.spoken_turns()])
                     obs[i], rewards, terminated, truncated, info = envs[i].step(base.turn_actions())
                     private[i] = info[PRIVATE_KEY]
                     ep_return[i] += float(np.mean(rewards))
@@ -358,7 +366,7 @@ class Runner:
             start = time.perf_counter()
             buffer, stats = self.collect(iteration)
             self.trainer.compute_advantages(buffer)
-            stats.update(self.diagnostics.rollout_stats(buffer))
+            stats.update(self.diagnostics.rollout_stats(buffer, self.trainer.token_level))
             metrics = self._update(buffer, iteration)
             stats["charts/iteration_seconds"] = time.perf_counter() - start
             stats["charts/env_steps"] = self.env_steps
