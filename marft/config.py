@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
 
 from marft.agents.dtypes import DTYPES
+from marft.agents.generation import GENERATION_BACKENDS
+from marft.agents.prompts import CHAT_TEMPLATE_MODES
 from marft.algorithms import TRAINERS
 from marft.algorithms.advantages import CREDIT_MODES
 from marft.algorithms.losses import NORMALIZATION_MODES
@@ -56,6 +58,10 @@ class ModelConfig:
     """Longest prompt + reply in tokens; longer prompts lose history from the left (never the role header)."""
     temperature: float = 1.0
     """Sampling temperature; the PPO log-probs are taken from the same tempered distribution."""
+    chat_template: str = "auto"
+    """auto: when the tokenizer has a chat template (instruct models), render each agent's prompt with it: system = the agent's role prompt, one user message = its private observation and the shared conversation followed by "Now it is <Role>'s turn.", the reply = the assistant turn, ended by the tokenizer's eos_token_id (check it is the template's end of turn, <|im_end|> for Qwen2.5-Instruct); a tokenizer without one (the embedded marft-tiny) gets the plain transcript. none: always the plain transcript (role prompt, private observation, conversation, cue "<Role>:")."""
+    generation_backend: str = "generate"
+    """What samples the replies: generate (transformers' model.generate, the reference) or decode_loop (marft's lean sampling loop on the KV cache: on CPU the same ids and log-probs as generate for a seed, with less overhead per token; see Benchmarks)."""
     top_k: int = 0
     """Sample only among the k most likely tokens (0: off). The PPO log-probs are those of the tempered distribution before truncation (as in TRL), so a token that leaves the top k during the update keeps a finite ratio (counted: counters/out_of_topk_tokens)."""
     trust_remote_code: bool = False
@@ -80,6 +86,8 @@ class ModelConfig:
             raise ValueError(f"--temperature must be positive, got {self.temperature}")
         check_choice("dtype", self.dtype)
         check_choice("critic_mode", self.critic_mode)
+        check_choice("chat_template", self.chat_template)
+        check_choice("generation_backend", self.generation_backend)
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
         if self.top_k < 0:
@@ -304,7 +312,8 @@ CRITIC_MODES = {
 """``--critic_mode`` → what it builds (the one table of modes)."""
 
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
-                            "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS}
+                            "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
+                            "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

@@ -10,9 +10,12 @@ tiny model's warm-start data), so an agent's prompt is always::
     Judge: <feedback>\n      # /  plus this step's earlier replies
     <Role>:                  # the generation cue for this agent
 
-Real instruction models read this format fine; chat templates are left for a
-later change because a transcript shared by several agents has no single
-"assistant".
+With ``--chat_template auto`` and a tokenizer that has a chat template (instruct models),
+``marft.agents.prompts.PromptEncoder`` renders the same parts as one chat per agent turn:
+the role header is the system message, the private observation and the conversation
+(without the cue, followed by :func:`handover_text`) are one user message, and the reply is
+the assistant turn. A transcript shared by several agents has no single "assistant", so the
+other agents' replies stay plain ``<Role>: <reply>`` lines inside the user message.
 """
 
 from __future__ import annotations
@@ -54,6 +57,11 @@ def format_private(text: str) -> str:
     return f"{text}\n\n" if text else ""
 
 
+def format_conversation(history: str, earlier_turns: list[tuple[str, str]]) -> str:
+    """The shared history followed by this step's earlier replies (what every agent of the step reads)."""
+    return history + "".join(format_turn(r, t) for r, t in earlier_turns)
+
+
 def build_prompt(system_prompt: str, history: str, earlier_turns: list[tuple[str, str]], role: str) -> tuple[str, str]:
     """Split an agent's prompt into ``(header, body)``.
 
@@ -65,5 +73,5 @@ def build_prompt(system_prompt: str, history: str, earlier_turns: list[tuple[str
         earlier_turns: ``(role, reply)`` of the agents that already spoke in this step.
         role: the role name of the agent about to speak.
     """
-    body = history + "".join(format_turn(r, t) for r, t in earlier_turns) + format_cue(role)
+    body = format_conversation(history, earlier_turns) + format_cue(role)
     return format_header(system_prompt), body

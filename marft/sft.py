@@ -10,8 +10,9 @@ Data are multi-agent transcripts, one episode per JSONL line::
 
 or drawn from an environment's ``demonstrations(n)`` (a scripted, deliberately imperfect expert). Every
 agent turn becomes one example: the prompt the team would build at that moment (``PromptEncoder``:
-role header, private observation, shared history, earlier replies of the step, the cue) and the reply tokens
-(+ EOS) as the team would sample them; the loss is on that reply only, through that role's adapter.
+role header, private observation, shared history, earlier replies of the step, the cue; or the same parts in
+the tokenizer's chat template with ``--chat_template auto``) and the reply tokens (+ EOS) as the team would
+sample them; the loss is on that reply only, through that role's adapter.
 The result is a checkpoint (``checkpoints/steps_0``) that ``--load_path`` starts RL from.
 
 The embedded model's build (``marft.models.tiny``) goes through the same path: its warm-start data are
@@ -66,7 +67,8 @@ class TurnExample:
     prompt_ids: list[int]
     """The team's prompt for that turn, token ids (no padding)."""
     reply_ids: list[int]
-    """The reply as the team would sample it: ``" " + text`` tokens, then EOS."""
+    """The reply as the team would sample it (``PromptEncoder.encode_reply``: ``" " + text`` after the plain cue, the bare
+    text as a chat template's assistant turn), then EOS."""
 
 
 def load_transcripts(path: str | Path) -> tuple[list[dict], int]:
@@ -142,7 +144,7 @@ def turn_examples(
                 history += "".join(format_turn(r, t) for r, t in step_turns)
                 step_turns = []
             (prompt_ids,) = prompts.encode_rows(agent, [history], [list(step_turns)], [private.get(role, "")])
-            reply = prompts.encode_text(" " + text.strip()) + [eos_id]
+            reply = prompts.encode_reply(text) + [eos_id]
             examples.append(TurnExample(agent, prompt_ids, reply[:max_reply_tokens]))
             step_turns.append((role, text))
     return examples
@@ -180,7 +182,7 @@ def reply_loss(lm, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) 
 def reply_nll(team, adapter: str, batch: Sequence[TurnExample]) -> torch.Tensor:
     """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1)."""
     ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
-    team.route(adapter)
+    team.bank.route(adapter)
     return reply_loss(team.model.get_base_model(), ids, mask, labels)
 
 
@@ -197,7 +199,7 @@ def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: i
     schedules = {a: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.5 * (1 + math.cos(math.pi * min(s / config.sft_steps, 1.0))))
                  for a, o in optimizers.items()}
     losses = []
-    with team.lora_dropout_active():
+    with team.bank.lora_dropout_active():
         for step in range(config.sft_steps):
             batch = [examples[rng.randrange(len(examples))] for _ in range(config.sft_batch_size)]
             total = 0.0

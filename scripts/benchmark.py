@@ -80,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
     p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
+    p.add_argument("--generation_backend", default=ModelConfig.generation_backend, choices=list(CHOICES["generation_backend"]), help=field_docs(ModelConfig)["generation_backend"])
+    p.add_argument("--chat_template", default=ModelConfig.chat_template, choices=list(CHOICES["chat_template"]), help=field_docs(ModelConfig)["chat_template"])
     p.add_argument("--credit_assignment", default="env", choices=list(CHOICES["credit_assignment"]), help=field_docs(AlgoConfig)["credit_assignment"])
     p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
     p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
@@ -143,7 +145,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
         model=ModelConfig(
             model_name_or_path=model_path(args), profile_path=args.profile_path,
             max_new_tokens=args.max_new_tokens, context_window=args.context_window,
-            device=args.device, dtype=args.dtype, critic_mode=args.critic_mode,
+            device=args.device, dtype=args.dtype, critic_mode=args.critic_mode, chat_template=args.chat_template, generation_backend=args.generation_backend,
         ),
         env=EnvConfig(env_name=args.env_name, horizon=args.horizon, workflow=args.workflow, max_turns=args.max_turns),
         algo=AlgoConfig(
@@ -300,28 +302,29 @@ def turns_of(buffer, device) -> list[tuple[int, torch.Tensor, torch.Tensor, int]
 
 @contextmanager
 def phase_timer(team, totals: dict):
-    """Time the team's phases (encode, generate, score, values, decode) by wrapping its methods."""
-    names = {"encode_prompts": "encode", "generate": "generate", "response_logprobs": "score_logprobs",
-             "values": "critic_values", "token_values": "critic_values", "value_batches": "critic_values", "decode": "decode"}
-    originals = {name: getattr(team, name) for name in names}
+    """Time the team's phases (encode, generate, score, values, decode) by wrapping the methods of its parts."""
+    phases = [(team, "encode_prompts", "encode"), (team, "sample", "generate"), (team, "response_logprobs", "score_logprobs"),
+              (team, "decode", "decode")]
+    if team.critic is not None:
+        phases += [(team.critic, name, "critic_values") for name in ("values", "token_values", "value_batches")]
 
-    def wrap(name, fn):
+    def wrap(phase, fn):
         def timed(*a, **k):
             synchronize(team.device)
             start = time.perf_counter()
             out = fn(*a, **k)
             synchronize(team.device)
-            totals[names[name]] = totals.get(names[name], 0.0) + time.perf_counter() - start
+            totals[phase] = totals.get(phase, 0.0) + time.perf_counter() - start
             return out
         return timed
 
-    for name, fn in originals.items():
-        setattr(team, name, wrap(name, fn))
+    for owner, name, phase in phases:
+        setattr(owner, name, wrap(phase, getattr(owner, name)))
     try:
         yield totals
     finally:
-        for name in originals:
-            delattr(team, name)
+        for owner, name, _ in phases:
+            delattr(owner, name)
 
 
 # ---------------------------------------------------------------------------- rollout
@@ -330,12 +333,11 @@ def phase_timer(team, totals: dict):
 @torch.no_grad()
 def plain_generate(team, turns, adapters: bool = True) -> float:
     """Seconds for ``model.generate`` on the same prompt batches, exactly the same number of new tokens each."""
-    import copy
     from contextlib import nullcontext
 
     seconds = 0.0
     for agent, prompt_ids, prompt_mask, generated in turns:
-        config = copy.deepcopy(team.generation_config)
+        config = team.sampling.generation_config()
         config.max_new_tokens = config.min_new_tokens = generated
         team.model.set_adapter(team.agent_adapters[agent])
         with nullcontext() if adapters else team.model.disable_adapter():
@@ -415,12 +417,12 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
                 ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)  # (B, P + L)
                 mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1)  # (B, P + L)
                 hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
-                values = team.value_head(hidden[:, -L - 1 : -1].float()).squeeze(-1)  # (B, L)
+                values = team.critic.value_head(hidden[:, -L - 1 : -1].float()).squeeze(-1)  # (B, L)
                 loss = ((values - mb["token_returns"]) ** 2 * mb["response_mask"]).sum() / mb["response_mask"].sum()
             else:
                 mask = mb["prompt_mask"]
                 hidden = decoder(input_ids=mb["prompt_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
-                values = team.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
+                values = team.critic.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
                 loss = ((values - mb["returns"]) ** 2).mean()
             loss.backward()
             optimizers[CRITIC_ADAPTER].step()
@@ -455,7 +457,7 @@ def bench_update(args) -> dict:
     buffer, _ = runner.collect()
     trainer.compute_advantages(buffer)
     optimizers = {a: torch.optim.AdamW(team.adapter_parameters(a), lr=config.algo.lr) for a in team.policy_adapters}
-    optimizers[CRITIC_ADAPTER] = torch.optim.AdamW(team.critic_parameters(), lr=config.algo.critic_lr)
+    optimizers[CRITIC_ADAPTER] = torch.optim.AdamW(team.critic.trainable_parameters(), lr=config.algo.critic_lr)
 
     def timed(fn) -> float:
         synchronize(team.device)
@@ -465,7 +467,7 @@ def bench_update(args) -> dict:
         return time.perf_counter() - start
 
     def plain():
-        team.value_head.requires_grad_(True)  # peft's set_adapter makes the active adapter (only) trainable
+        team.critic.value_head.requires_grad_(True)  # peft's set_adapter makes the active adapter (only) trainable
         plain_update(team, config.algo, buffer, trainer.token_level, optimizers)
 
     timed(lambda: trainer.update(buffer, 0))  # warm-up

@@ -33,7 +33,7 @@ class DenseRelaySum(RelaySumEnv):
 def trainable(team) -> dict[str, torch.Tensor]:
     """Every adapter's LoRA weights and the value head, by name (detached copies)."""
     out = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" in n}
-    out.update({f"value_head.{n}": p.detach().clone() for n, p in team.value_head.named_parameters()})
+    out.update({f"value_head.{n}": p.detach().clone() for n, p in team.critic.value_head.named_parameters()})
     return out
 
 
@@ -93,7 +93,7 @@ def update_cases(model_dir: str, out_dir: Path, dist) -> dict:
             kind = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
             trainer.config.lr = trainer.config.critic_lr = lr  # load_state_dict sets the config's learning rates
             trainer.policy_optimizers = {a: kind(team.adapter_parameters(a), lr=lr) for a in team.policy_adapters}
-            trainer.critic_optimizers = {c: kind(team.critic_parameters(c), lr=lr) for c in team.critic_adapters}
+            trainer.critic_optimizers = {c: kind(team.critic.trainable_parameters(c), lr=lr) for c in team.critic_adapters}
             optimizers = copy.deepcopy(trainer.state_dict())
             trainer.dist = SINGLE  # the reference: one process, the whole batch
             torch.manual_seed(1)
@@ -121,7 +121,7 @@ def restore(team, weights: dict[str, torch.Tensor]) -> None:
         for n, p in team.model.named_parameters():
             if n in weights:
                 p.copy_(weights[n])
-        for n, p in team.value_head.named_parameters():
+        for n, p in team.critic.value_head.named_parameters():
             p.copy_(weights[f"value_head.{n}"])
 
 

@@ -159,6 +159,23 @@ def test_flags_that_may_change_are_taken_and_logged(trained_run, tmp_path, caplo
     assert {g["lr"] for opt in optimizers["policy_optimizers"].values() for g in opt["param_groups"]} == {5e-4}
 
 
+def test_a_checkpoint_from_before_chat_templates_resumes_with_plain_prompts(trained_run, tmp_path):
+    """A checkpoint whose config has no ``chat_template`` was trained on plain transcripts: it resumes with
+    ``none`` (an instruct model would otherwise switch to its chat template mid-run), unless the flag is given."""
+    from marft.config import parse_config
+    from marft.runner.shared.checkpoint import MANIFEST, _write_manifest, resume_config
+
+    checkpoint = copy_run(trained_run, tmp_path) / "checkpoints" / f"steps_{N}"
+    assert resume_config(*parse_config(["--load_path", str(checkpoint)])).model.chat_template == "auto"  # saved with the flag
+    saved = json.loads((checkpoint / "config.json").read_text())
+    del saved["model"]["chat_template"]
+    (checkpoint / "config.json").write_text(json.dumps(saved))
+    (checkpoint / MANIFEST).unlink()
+    _write_manifest(checkpoint)
+    assert resume_config(*parse_config(["--load_path", str(checkpoint)])).model.chat_template == "none"
+    assert resume_config(*parse_config(["--load_path", str(checkpoint), "--chat_template", "auto"])).model.chat_template == "auto"
+
+
 def test_load_path_run_directory_takes_latest_complete_checkpoint(trained_run, tmp_path):
     run = copy_run(trained_run, tmp_path)
     checkpoints = run / "checkpoints"

@@ -20,7 +20,7 @@ def moved_groups(team, before) -> set[str]:
     for name, p in team.model.named_parameters():
         if "lora_" in name and not torch.equal(p, before[name]):
             moved.add(name.split("lora_")[1].split(".")[1])
-    for critic, head in team.value_heads.items():
+    for critic, head in team.critic.value_heads.items():
         if not torch.equal(head.weight, before[f"head:{critic}"]):
             moved.add(f"head:{critic}")
     return moved
@@ -28,19 +28,19 @@ def moved_groups(team, before) -> set[str]:
 
 def weights_of(team) -> dict[str, torch.Tensor]:
     out = {n: p.detach().clone() for n, p in team.model.named_parameters()}
-    out.update({f"head:{c}": h.weight.detach().clone() for c, h in team.value_heads.items()})
+    out.update({f"head:{c}": h.weight.detach().clone() for c, h in team.critic.value_heads.items()})
     return out
 
 
 def test_per_agent_critics_are_adapters_on_the_one_base_model(random_model_dir):
     shared, per_agent = make_team(random_model_dir), make_team(random_model_dir, critic_mode="per_agent")
-    assert shared.critic_adapters == ["critic"] and shared.agent_critics == ["critic", "critic"]
+    assert shared.critic_adapters == ["critic"] and shared.critic.agent_critics == ["critic", "critic"]
     assert per_agent.critic_adapters == ["critic_reasoner", "critic_actor"]
     assert set(per_agent.model.peft_config) == {"reasoner", "actor", "critic_reasoner", "critic_actor"}
     base = lambda team: sum(p.numel() for n, p in team.model.named_parameters() if "lora_" not in n)  # noqa: E731
     assert base(shared) == base(per_agent)  # one base model either way; memory grows by adapters only
     adapter = sum(p.numel() for p in shared.adapter_parameters("critic"))
-    assert sum(p.numel() for p in per_agent.critic_parameters()) == 2 * (adapter + sum(p.numel() for p in shared.value_head.parameters()))
+    assert sum(p.numel() for p in per_agent.critic.trainable_parameters()) == 2 * (adapter + sum(p.numel() for p in shared.critic.value_head.parameters()))
 
 
 @pytest.mark.parametrize("algorithm", ["APPO", "TPPO"])
@@ -51,7 +51,7 @@ def test_each_per_agent_critic_moves_only_on_its_own_agents_turns(random_model_d
     buffer = fill_buffer(team, trainer=trainer)
     assert buffer.values[:-1].abs().sum() > 0  # the rollout values every turn with its agent's critic
     before = weights_of(team)
-    trainer.update_critic(buffer.critic_samples(trainer.token_level, team.critic_agents("critic_reasoner")), "critic_reasoner")
+    trainer.update_critic(buffer.critic_samples(trainer.token_level, team.critic.agents_of("critic_reasoner")), "critic_reasoner")
     assert moved_groups(team, before) == {"critic_reasoner", "head:critic_reasoner"}
 
     # the Reasoner's critic learns from the Reasoner's turns alone: changing the Actor's returns changes nothing

@@ -231,7 +231,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(rand
             runner=RunnerConfig(n_rollout_threads=2, episode_length=1, num_env_steps=2, output_dir=str(tmp_path / str(checkpointing))),
         )
         runner = build_runner(config)
-        for layer in runner.team._checkpointed_layers:
+        for layer in runner.team.bank.checkpointed_layers:
             recompute = layer._gradient_checkpointing_func
             layer._gradient_checkpointing_func = lambda *a, _f=recompute, **k: calls.append(1) or _f(*a, **k)
         buffer, _ = runner.collect()

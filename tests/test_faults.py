@@ -64,7 +64,9 @@ def test_one_nonfinite_minibatch_is_skipped_counted_and_logged(random_model_dir,
         return False
 
     if where == "logits":
-        original = AgentTeam.scoring_logits
+        from marft.agents.generation import SamplingSettings
+
+        original = SamplingSettings.scoring_logits
 
         def scoring_logits(self, logits):
             out = original(self, logits)
@@ -73,7 +75,7 @@ def test_one_nonfinite_minibatch_is_skipped_counted_and_logged(random_model_dir,
                 out[..., 0] = float("inf")
             return out
 
-        monkeypatch.setattr(AgentTeam, "scoring_logits", scoring_logits)
+        monkeypatch.setattr(SamplingSettings, "scoring_logits", scoring_logits)
     elif where == "logprobs":
         original = AgentTeam.response_logprobs
 

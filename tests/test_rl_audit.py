@@ -152,7 +152,7 @@ def test_lora_dropout_is_off_in_rollouts_and_scoring_and_on_in_the_update(random
     torch.manual_seed(0)
     team = make_team(random_model_dir, lora_dropout=0.5)
     perturb_adapters(team)
-    assert team._lora_dropouts and not any(m.training for m in team.model.modules())
+    assert team.bank.lora_dropouts and not any(m.training for m in team.model.modules())
     torch.manual_seed(0)
     out = team.act(0, HISTORIES, [[]] * len(HISTORIES))
     with torch.no_grad():
@@ -160,7 +160,7 @@ def test_lora_dropout_is_off_in_rollouts_and_scoring_and_on_in_the_update(random
         first, second = team.response_logprobs(*args).logprobs, team.response_logprobs(*args).logprobs
         assert torch.equal(first, second)  # the same reply scores the same twice
         torch.testing.assert_close(out.logprobs, first, atol=1e-5, rtol=0)  # and as it was sampled
-        with team.lora_dropout_active():
+        with team.bank.lora_dropout_active():
             assert not torch.equal(team.response_logprobs(*args).logprobs, team.response_logprobs(*args).logprobs)
         assert not any(m.training for m in team.model.modules())
 

@@ -1,6 +1,7 @@
 """The agent team on one base model: scoring, masks, truncation and which parameters train."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -76,12 +77,96 @@ def test_generation_with_a_shared_role_header_samples_as_plain_generate(random_m
         prompt_ids, prompt_mask = team.encode_prompts(agent, HISTORIES, earlier, private if agent == 0 else None)
         adapter = team.agent_adapters[agent]
         torch.manual_seed(1)
-        plain = team.generate(adapter, prompt_ids, prompt_mask)
+        plain = team.sample(adapter, prompt_ids, prompt_mask)
         torch.manual_seed(1)
-        shared = team.generate(adapter, prompt_ids, prompt_mask, agent)
-        assert torch.equal(shared[0], plain[0]) and torch.equal(shared[1], plain[1])
-        torch.testing.assert_close(shared[2], plain[2], atol=1e-5, rtol=0)
-        assert shared[1].sum(1).min() > 0 and len({tuple(r.tolist()) for r in shared[0]}) > 1  # real, different replies
+        shared = team.sample(adapter, prompt_ids, prompt_mask, agent)
+        assert torch.equal(shared.response_ids, plain.response_ids) and torch.equal(shared.response_mask, plain.response_mask)
+        torch.testing.assert_close(shared.logprobs, plain.logprobs, atol=1e-5, rtol=0)
+        assert shared.settings == team.sampling == team.backend.settings
+        assert shared.response_mask.sum(1).min() > 0 and len({tuple(r.tolist()) for r in shared.response_ids}) > 1  # real, different replies
+
+
+class GreedyLoop:
+    """A generation backend written against the interface alone: greedy decoding by full forwards, no cache."""
+
+    def __init__(self, model, settings):
+        self.model, self.settings = model, settings
+
+    @torch.no_grad()
+    def sample(self, prompt_ids, prompt_mask, agent=None):
+        from marft.agents.generation import SampledReplies, reply_mask
+        from marft.agents.headers import position_ids_from_mask
+
+        s = self.settings
+        ids, mask, steps, logprobs = prompt_ids, prompt_mask, [], []
+        for _ in range(s.max_new_tokens):
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits[:, -1]  # (B, V)
+            logp = torch.log_softmax(s.scoring_logits(logits), -1)
+            token = logp.argmax(-1, keepdim=True)  # (B, 1)
+            steps.append(token)
+            logprobs.append(logp.gather(-1, token))
+            ids, mask = torch.cat([ids, token], 1), torch.cat([mask, torch.ones_like(token)], 1)
+        response_ids = torch.cat(steps, 1)  # (B, L)
+        response_mask = reply_mask(response_ids, s.eos_id, s.max_new_tokens)
+        return SampledReplies(response_ids, response_mask, torch.cat(logprobs, 1) * response_mask, s)
+
+
+def test_a_backend_written_to_the_interface_replaces_generate(random_model_dir):
+    """``team.backend`` is any object with ``settings`` and ``sample(prompt_ids, prompt_mask, agent)``: a whole team
+    step runs on it, through each agent's own adapter, and its log-probs are the policy's."""
+    team = make_team(random_model_dir)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    team.backend = GreedyLoop(team.model, team.sampling)
+    outs = team.play_step(HISTORIES, with_values=False)
+    for agent, out in enumerate(outs):
+        adapter = team.agent_adapters[agent]
+        with torch.no_grad():
+            scored = team.response_logprobs(adapter, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask).logprobs
+            again = GreedyLoop(team.model, team.sampling).sample(out.prompt_ids, out.prompt_mask)  # routed to adapter by response_logprobs
+        torch.testing.assert_close(out.logprobs, scored, atol=1e-5, rtol=0)
+        assert torch.equal(again.response_ids, out.response_ids)
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 5)])
+def test_decode_loop_samples_what_generate_samples(random_model_dir, temperature, top_k):
+    """``--generation_backend decode_loop`` gives the ids of ``generate`` for the same seed, and log-probs equal to
+    generate's (and to a scoring forward's), for agents with and without a role header, short and long histories."""
+    from marft.agents.generation import DecodeLoop, TransformersGenerate
+
+    team = make_team(random_model_dir, temperature=temperature, top_k=top_k, context_window=72)
+    team.prompts.header_ids[0] = []  # agent 0 as an anonymous role: no header to share
+    team.headers.header_ids[0] = []
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    prompt_ids, prompt_mask = team.encode_prompts(1, HISTORIES, [[]] * 3, None)
+    team.bank.route(team.agent_adapters[1])
+    sampled = team.backend.sample(prompt_ids, prompt_mask, 1).response_ids
+    common = int(torch.mode(sampled[sampled != team.pad_id]).values)  # made a likely EOS below, so that replies end at different lengths
+    with torch.no_grad():
+        team.model.get_input_embeddings().weight[common] *= 30.0  # (tied to the output head)
+    settings = dataclasses.replace(team.sampling, eos_id=common)
+    loop, generate = DecodeLoop(team.headers, settings), TransformersGenerate(team.headers, settings)
+    ended_early = 0
+    for agent in range(team.n_agents):
+        prompt_ids, prompt_mask = team.encode_prompts(agent, HISTORIES * 3, [[]] * 9, ["x = 7"] * 9 if agent == 1 else None)
+        adapter = team.agent_adapters[agent]
+        team.bank.route(adapter)
+        torch.manual_seed(3)
+        want = generate.sample(prompt_ids, prompt_mask, agent)
+        torch.manual_seed(3)
+        got = loop.sample(prompt_ids, prompt_mask, agent)
+        assert torch.equal(got.response_ids, want.response_ids) and torch.equal(got.response_mask, want.response_mask)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        with torch.no_grad():
+            scored = team.response_logprobs(adapter, prompt_ids, prompt_mask, got.response_ids, got.response_mask).logprobs
+        torch.testing.assert_close(got.logprobs, scored, atol=1e-5, rtol=0)
+        ended_early += int((got.response_mask.sum(1) < got.response_mask.shape[1]).sum())
+    assert ended_early > 0  # some replies ended before the budget: the padding of finished rows is exercised
 
 
 def test_reply_mask_stops_after_first_eos():
@@ -110,8 +195,8 @@ def test_long_history_is_cut_from_the_left_keeping_the_role_header(random_model_
     team = make_team(random_model_dir)
     long_history = "Problem: What is 3 + 4?\n" + "Judge: wrong, try again\n" * 200
     ids, mask = team.encode_prompts(1, [long_history], [[("Reasoner", "3 + 4 = 7")]])
-    assert ids.shape[1] == team.max_prompt_len
-    header = team.header_ids[1]
+    assert ids.shape[1] == team.prompts.max_prompt_len
+    header = team.prompts.header_ids[1]
     assert ids[0, : len(header)].tolist() == header
     text = team.tokenizer.decode(ids[0, len(header):])
     assert text.endswith("Reasoner: 3 + 4 = 7\nActor:")
@@ -120,7 +205,7 @@ def test_long_history_is_cut_from_the_left_keeping_the_role_header(random_model_
 def fill_buffer(team, n_envs=4, steps=2, trainer=None):
     """A real rollout from the team with random rewards, advantages computed by ``trainer``'s rule."""
     token_level = trainer is not None and trainer.token_level
-    buffer = RolloutBuffer(steps, n_envs, team.n_agents, team.max_prompt_len, team.config.max_new_tokens, team.pad_id)
+    buffer = RolloutBuffer(steps, n_envs, team.n_agents, team.prompts.max_prompt_len, team.config.max_new_tokens, team.pad_id)
     histories = (HISTORIES * n_envs)[:n_envs]
     for t in range(steps):
         for agent, out in enumerate(team.play_step(histories, token_values=token_level)):
@@ -135,7 +220,7 @@ def fill_buffer(team, n_envs=4, steps=2, trainer=None):
 
 def snapshot(team):
     params = {n: p.detach().clone() for n, p in team.model.named_parameters()}
-    params.update({f"value_head.{n}": p.detach().clone() for n, p in team.value_head.named_parameters()})
+    params.update({f"value_head.{n}": p.detach().clone() for n, p in team.critic.value_head.named_parameters()})
     return params
 
 
@@ -206,7 +291,7 @@ def test_token_values_first_position_is_the_prompt_value(random_model_dir):
     team = make_team(random_model_dir)
     out = team.play_step(HISTORIES, token_values=True)[0]
     with torch.no_grad():
-        prompt_values = team.values(out.prompt_ids, out.prompt_mask)
+        prompt_values = team.critic.values(out.prompt_ids, out.prompt_mask)
     torch.testing.assert_close(out.token_values[:, 0], prompt_values, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.values, prompt_values, atol=1e-5, rtol=0)
     assert (out.token_values[out.response_mask == 0] == 0).all()
@@ -223,7 +308,7 @@ def test_a_team_step_lets_each_agent_see_the_earlier_replies_and_values_every_tu
         assert actor_text.endswith(f"{history}Reasoner: {reasoner.texts[b]}\nActor:")
     with torch.no_grad():
         for out in (reasoner, actor):
-            torch.testing.assert_close(out.values, team.values(out.prompt_ids, out.prompt_mask), atol=1e-5, rtol=0)
+            torch.testing.assert_close(out.values, team.critic.values(out.prompt_ids, out.prompt_mask), atol=1e-5, rtol=0)
     evaluation = team.play_step(HISTORIES, private, with_values=False)
     assert all(out.values is None for out in evaluation)
 
@@ -250,18 +335,18 @@ def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(rando
     for token_level in (False, True):
         for agent, out in enumerate(team.play_step(HISTORIES, private, token_values=token_level)):
             with torch.no_grad():
-                plain = team.values(out.prompt_ids, out.prompt_mask)
-                one_agent = team.values(out.prompt_ids, out.prompt_mask, agent=agent)
+                plain = team.critic.values(out.prompt_ids, out.prompt_mask)
+                one_agent = team.critic.values(out.prompt_ids, out.prompt_mask, agent=agent)
                 torch.testing.assert_close(out.values, plain, atol=1e-5, rtol=0)
                 torch.testing.assert_close(one_agent, plain, atol=1e-5, rtol=0)
                 if token_level:
-                    plain_tokens = team.token_values(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+                    plain_tokens = team.critic.token_values(out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
                     torch.testing.assert_close(out.token_values, plain_tokens, atol=1e-5, rtol=0)
             assert plain.std() > 0  # the prompts really differ
             other = agent - 1
-            if team.header_ids[other] and team.header_ids[other] != team.header_ids[agent]:
+            if team.prompts.header_ids[other] and team.prompts.header_ids[other] != team.prompts.header_ids[agent]:
                 with pytest.raises(ValueError, match="role header"):
-                    team.values(out.prompt_ids, out.prompt_mask, agent=other)
+                    team.critic.values(out.prompt_ids, out.prompt_mask, agent=other)
 
 
 def test_route_applies_the_same_adapter_as_peft_set_adapter(random_model_dir):
@@ -278,7 +363,7 @@ def test_route_applies_the_same_adapter_as_peft_set_adapter(random_model_dir):
     outputs = {}
     with torch.no_grad():
         for adapter in team.policy_adapters + ["critic", "reasoner"]:
-            team.route(adapter)
+            team.bank.route(adapter)
             routed = team.model(input_ids=ids).logits
             assert {n for n, p in team.model.named_parameters() if p.requires_grad} == trainable
             team.model.set_adapter(adapter)
@@ -287,11 +372,11 @@ def test_route_applies_the_same_adapter_as_peft_set_adapter(random_model_dir):
             team.set_active("actor", trainable=True)
     assert not torch.equal(outputs["reasoner"], outputs["actor"])  # the adapters really differ
     with pytest.raises(ValueError, match="no adapter"):
-        team.route("nobody")
+        team.bank.route("nobody")
 
 
-def test_frozen_adapters_reuse_role_headers_and_forbid_training(random_model_dir):
-    """Inside ``frozen_adapters`` (a rollout) each adapter's role headers run once; the steps sample and value
+def test_frozen_headers_reuse_role_headers_and_forbid_training(random_model_dir):
+    """Inside ``headers.frozen()`` (a rollout) each adapter's role headers run once; the steps sample and value
     exactly as without it, and training an adapter there is refused (its cached headers would go stale)."""
     team = make_team(random_model_dir)
     with torch.no_grad():
@@ -302,12 +387,12 @@ def test_frozen_adapters_reuse_role_headers_and_forbid_training(random_model_dir
     torch.manual_seed(3)
     plain = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
     torch.manual_seed(3)
-    with team.frozen_adapters():
+    with team.headers.frozen():
         frozen = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
-        assert sorted(team._header_memo) == [("actor", (1,)), ("critic", (0, 1)), ("reasoner", (0,))]
+        assert sorted(team.headers.memo) == [("actor", (1,)), ("critic", (0, 1)), ("reasoner", (0,))]
         with pytest.raises(RuntimeError, match="frozen"):
             team.set_active(team.agent_adapters[0], trainable=True)
-    assert team._header_memo is None
+    assert team.headers.memo is None
     for plain_step, frozen_step in zip(plain, frozen):
         for a, b in zip(plain_step, frozen_step):
             assert torch.equal(a.response_ids, b.response_ids) and a.texts == b.texts

@@ -197,10 +197,10 @@ def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model
 
     reference = build_runner(run_config(random_model_dir, tmp_path / "ref", algorithm_name=algorithm))
     team, envs, T = reference.team, reference.envs, 3
-    ref = RolloutBuffer(T, envs.n_envs, team.n_agents, team.max_prompt_len, 6, team.pad_id)
+    ref = RolloutBuffer(T, envs.n_envs, team.n_agents, team.prompts.max_prompt_len, 6, team.pad_id)
     torch.manual_seed(11)
     obs = reference.obs
-    with team.frozen_adapters():
+    with team.headers.frozen():
         for t in range(T):
             outs = team.play_step(list(obs), list(envs.private_observations), token_values=algorithm == "TPPO")
             for agent, out in enumerate(outs):
@@ -209,7 +209,7 @@ def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model
             ref.insert_step(t, rewards, terminated, truncated)
         first = [p[0] for p in envs.private_observations]
         ids, mask = team.encode_prompts(0, list(obs), [[] for _ in obs], first)
-        ref.values[T, :, 0] = team.values(ids, mask, agent=0)
+        ref.values[T, :, 0] = team.critic.values(ids, mask, agent=0)
     reference.trainer.compute_advantages(ref)
     for name in ("agent", "prompt_ids", "response_ids", "response_mask", "rewards"):
         assert torch.equal(getattr(buffer, name), getattr(ref, name)), name

@@ -4,6 +4,13 @@ warm start (``marft.sft``) and the embedded model's build (``marft.models.tiny``
 Every prompt of agent ``a`` is ``[role header a][private observation][shared history + earlier
 replies + cue]`` (``marft.prompting``); the header and the private observation are kept whole, the
 history is cut from the left to fit the prompt budget.
+
+With a chat template (``--chat_template auto`` and a tokenizer that has one) the same parts are one chat:
+``[template up to the user content: system turn = role prompt][private observation][shared history +
+earlier replies][handover line + template after the user content: end of user turn, assistant
+generation prompt]``. The first part is again the role header (the same for every prompt of the agent,
+so its keys/values stay shareable), the last is kept whole. A template that refuses a system message gets
+the role prompt at the head of the user message, inside the header all the same.
 """
 
 from __future__ import annotations
@@ -12,7 +19,16 @@ from typing import Sequence
 
 import torch
 
-from marft.prompting import build_prompt, format_private
+from marft.prompting import build_prompt, format_conversation, format_header, format_private, handover_text
+
+CHAT_TEMPLATE_MODES = {
+    "auto": "render each agent's prompt with the tokenizer's chat template when it has one, else the plain transcript",
+    "none": "the plain transcript (role header, private observation, conversation, cue)",
+}
+"""``--chat_template`` → how prompts are written (the one table of modes)."""
+
+USER_PLACEHOLDER = "MARFT-USER-CONTENT-1f7c"
+"""Rendered as the user message once per agent to find where its prompts' own text goes in the template."""
 
 
 def left_pad(rows: Sequence[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,26 +50,71 @@ class PromptEncoder:
         tokenizer: a Hugging Face tokenizer (no special tokens are added).
         profile: one ``AgentSpec`` (role, prompt) per agent.
         max_prompt_len: prompt budget in tokens (``--context_window - --max_new_tokens`` in a team).
+        chat_template: ``auto``: render prompts with ``tokenizer.chat_template`` when it is set; ``none``: the
+            plain transcript (:data:`CHAT_TEMPLATE_MODES`).
 
     Raises:
-        ValueError: a role header alone fills the budget.
+        ValueError: an unknown ``chat_template``; a role header (with the chat suffix) alone fills the budget;
+            a chat template that does not render the user message exactly once.
     """
 
-    def __init__(self, tokenizer, profile: Sequence, max_prompt_len: int):
+    def __init__(self, tokenizer, profile: Sequence, max_prompt_len: int, chat_template: str = "none"):
+        if chat_template not in CHAT_TEMPLATE_MODES:
+            raise ValueError(f"chat_template must be one of {', '.join(CHAT_TEMPLATE_MODES)}, got {chat_template!r}")
         self.tokenizer = tokenizer
         self.profile = list(profile)
         self.max_prompt_len = max_prompt_len
-        self.header_ids = [self.encode_text(build_prompt(spec.prompt, "", [], spec.role)[0]) for spec in self.profile]
-        """Per agent, its role header's ids (shared by every prompt of that agent)."""
-        for spec, ids in zip(self.profile, self.header_ids):
-            if len(ids) >= max_prompt_len:
+        self.uses_chat_template = chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
+        """Whether prompts are rendered with the tokenizer's chat template (else the plain transcript)."""
+        if self.uses_chat_template:
+            parts = [self._chat_parts(spec) for spec in self.profile]
+        else:
+            parts = [(build_prompt(spec.prompt, "", [], spec.role)[0], "") for spec in self.profile]
+        self.header_ids = [self.encode_text(prefix) for prefix, _ in parts]
+        """Per agent, its role header's ids (shared by every prompt of that agent: every row starts with it)."""
+        self.suffix_ids = [self.encode_text(suffix) if suffix else [] for _, suffix in parts]
+        """Per agent, the ids every prompt of it ends with: with a chat template the handover line, the end of the
+        user turn and the assistant generation prompt; none in the plain transcript (its cue ends the body)."""
+        for spec, header, suffix in zip(self.profile, self.header_ids, self.suffix_ids):
+            if len(header) + len(suffix) >= max_prompt_len:
+                framing = " with the chat template around its user message" if self.uses_chat_template else ""
                 raise ValueError(
-                    f"the role header of {spec.role!r} is {len(ids)} tokens, more than the prompt budget "
-                    f"({max_prompt_len} = --context_window - --max_new_tokens); raise --context_window"
+                    f"the role header of {spec.role!r}{framing} is {len(header) + len(suffix)} tokens, leaving nothing of "
+                    f"the prompt budget ({max_prompt_len} = --context_window - --max_new_tokens); raise --context_window"
                 )
+
+    def _chat_parts(self, spec) -> tuple[str, str]:
+        """``(prefix, suffix)``: the agent's chat rendered around its user message, the handover line leading the suffix."""
+        import jinja2  # a dependency of chat templates in transformers; only needed when a tokenizer has one
+
+        system = spec.prompt.strip()
+
+        def render(messages: list[dict]) -> str:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+        try:
+            text = render(([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": USER_PLACEHOLDER}])
+        except jinja2.TemplateError:
+            if not system:
+                raise
+            # a template without a system role (Gemma's, early Mistral's): the role prompt opens the user message
+            text = render([{"role": "user", "content": format_header(system) + USER_PLACEHOLDER}])
+        if text.count(USER_PLACEHOLDER) != 1:
+            raise ValueError(
+                f"the tokenizer's chat template renders the user message of {spec.role!r} "
+                f"{text.count(USER_PLACEHOLDER)} times instead of once, so marft cannot tell where a prompt's text goes; "
+                "fix the template or pass --chat_template none"
+            )
+        prefix, suffix = text.split(USER_PLACEHOLDER)
+        return prefix, handover_text(spec.role) + suffix
 
     def encode_text(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def encode_reply(self, text: str) -> list[int]:
+        """A reply as the agent would sample it (no EOS): after the plain cue ``"Role:"`` it opens with a space,
+        as the assistant turn of a chat template it does not."""
+        return self.encode_text(text.strip() if self.uses_chat_template else " " + text.strip())
 
     def encode_rows(
         self,
@@ -62,7 +123,8 @@ class PromptEncoder:
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
     ) -> list[list[int]]:
-        """Agent ``agent``'s prompts as unpadded id lists, each ≤ ``max_prompt_len``.
+        """Agent ``agent``'s prompts as unpadded id lists, each ≤ ``max_prompt_len``:
+        ``header_ids[agent] + private + body + suffix_ids[agent]``, the body cut from the left.
 
         Args:
             histories: per prompt, the environment's shared observation.
@@ -70,17 +132,20 @@ class PromptEncoder:
             private: per prompt, text only this agent sees (None: nothing).
         """
         spec = self.profile[agent]
-        bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
-        headers = [self.header_ids[agent]] * len(bodies)
+        if self.uses_chat_template:
+            bodies = [format_conversation(h, turns) for h, turns in zip(histories, earlier_turns)]
+        else:
+            bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
+        header, suffix = self.header_ids[agent], self.suffix_ids[agent]
+        private_ids = [[] for _ in bodies]
         if private is not None and any(private):
             private_ids = self.tokenizer([format_private(text) for text in private], add_special_tokens=False).input_ids
-            headers = [self.header_ids[agent] + ids for ids in private_ids]
         rows = []
-        for header, ids in zip(headers, self.tokenizer(bodies, add_special_tokens=False).input_ids):
-            budget = self.max_prompt_len - len(header)
+        for kept, ids in zip(private_ids, self.tokenizer(bodies, add_special_tokens=False).input_ids):
+            budget = self.max_prompt_len - len(header) - len(kept) - len(suffix)
             if budget <= 0:
                 raise ValueError(f"the role header and private observation of {spec.role!r} fill the whole prompt budget; raise --context_window")
-            rows.append(header + ids[-budget:])
+            rows.append(header + kept + ids[-budget:] + suffix)
         return rows
 
     def encode(

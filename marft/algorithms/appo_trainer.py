@@ -56,7 +56,7 @@ class APPOTrainer:
             for adapter in team.policy_adapters
         }
         self.critic_optimizers = {
-            critic: torch.optim.AdamW(team.critic_parameters(critic), lr=config.critic_lr, weight_decay=0.0)
+            critic: torch.optim.AdamW(team.critic.trainable_parameters(critic), lr=config.critic_lr, weight_decay=0.0)
             for critic in (team.critic_adapters if self.uses_critic else [])
         }
         """Per critic adapter (one shared, or one per agent with ``--critic_mode per_agent``), its optimizer."""
@@ -173,7 +173,7 @@ class APPOTrainer:
         adapter = self.team.policy_adapters[0]
         for rows in torch.arange(n_samples).split(size):
             mb = trim_batch({k: samples[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}, self.team.device)
-            with self.team.reference_policy():
+            with self.team.bank.reference_policy():
                 scores = self.team.response_logprobs(adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"])
             out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
         return out
@@ -190,7 +190,7 @@ class APPOTrainer:
     def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
         """Clipped value loss of the prompt values under ``critic`` (default: the shared one)."""
         cfg = self.config
-        values = self.team.values(mb["prompt_ids"], mb["prompt_mask"], critic=critic)  # (B,)
+        values = self.team.critic.values(mb["prompt_ids"], mb["prompt_mask"], critic=critic)  # (B,)
         return clipped_value_loss(values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
 
     # ------------------------------------------------------------------ update
@@ -208,10 +208,10 @@ class APPOTrainer:
             self.counters["constant_reward_batches"] += 1
             agents = []
         out_of_topk = self.counters["out_of_topk_tokens"]
-        with self.team.lora_dropout_active():
+        with self.team.bank.lora_dropout_active():
             metrics = {}
             for critic in self.critic_optimizers:  # the shared critic on every turn, or each agent's critic on its own
-                metrics.update(self.update_critic(buffer.critic_samples(self.token_level, self.team.critic_agents(critic)), critic))
+                metrics.update(self.update_critic(buffer.critic_samples(self.token_level, self.team.critic.agents_of(critic)), critic))
             for adapter, agents in self.adapter_groups(agents).items():
                 samples = buffer.agent_samples(agents, self.token_level)
                 label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
@@ -309,11 +309,11 @@ class APPOTrainer:
         many chunks, so a forward/backward chunk holds as many turns as an agent's and peak memory does not
         grow with the team size. Metrics are tagged ``critic/...`` (shared) or ``critic_<role>/...``."""
         cfg, team = self.config, self.team
-        params = team.critic_parameters(critic)
+        params = team.critic.trainable_parameters(critic)
         team.set_active(critic, trainable=True)
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic_agents(critic))):
+            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok = True
                 for chunk in chunks:
                     mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)

@@ -128,13 +128,13 @@ def save_checkpoint(
 def nonfinite_parameters(team: AgentTeam) -> list[str]:
     """Names of the trainable weights (adapters, value head) holding a NaN or inf."""
     bad = [n for n, p in team.model.named_parameters() if "lora_" in n and not torch.isfinite(p).all()]
-    return bad + [f"value_head.{n}" for n, p in team.value_heads.named_parameters() if not torch.isfinite(p).all()]
+    return bad + [f"value_head.{n}" for n, p in (team.critic.value_heads.named_parameters() if team.critic else ()) if not torch.isfinite(p).all()]
 
 
 def value_head_state(team: AgentTeam) -> dict[str, torch.Tensor]:
     """The critics' value heads as saved: ``weight``, ``bias`` for the shared critic (the format of every
     earlier checkpoint), ``<critic>.weight``, ``<critic>.bias`` per critic with per-agent critics."""
-    state = team.value_heads.state_dict()
+    state = team.critic.value_heads.state_dict()
     if team.critic_adapters == [CRITIC_ADAPTER]:
         return {k.removeprefix(CRITIC_ADAPTER + "."): v for k, v in state.items()}
     return state
@@ -143,7 +143,7 @@ def value_head_state(team: AgentTeam) -> dict[str, torch.Tensor]:
 def load_value_head_state(team: AgentTeam, state: dict[str, torch.Tensor]) -> None:
     if team.critic_adapters == [CRITIC_ADAPTER]:
         state = {f"{CRITIC_ADAPTER}.{k}": v for k, v in state.items()}
-    team.value_heads.load_state_dict(state)
+    team.critic.value_heads.load_state_dict(state)
 
 
 def read_checkpoint_meta(path: str | Path) -> tuple[dict, dict]:
@@ -274,6 +274,8 @@ def resume_config(config, given: set[str]):
         for name in values:
             if name not in given and not (section == "runner" and name in NOT_INHERITED) and name in saved.get(section, {}):
                 merged[section][name] = saved[section][name]
+    if "chat_template" not in given and "chat_template" not in saved.get("model", {}):
+        merged["model"]["chat_template"] = "none"  # saved before chat templates existed: its prompts were plain transcripts
     merged["runner"]["load_path"] = str(path)
     try:
         resumed = TrainConfig.from_dict(merged)

@@ -101,7 +101,7 @@ class Runner:
     # ------------------------------------------------------------------ rollout
     def collect(self, iteration: int = 0) -> tuple[RolloutBuffer, dict]:
         """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer."""
-        with self.team.frozen_adapters():  # role headers run once per rollout
+        with self.team.headers.frozen():  # role headers run once per rollout
             return self._collect(iteration)
 
     def _start_group_round(self, iteration: int, round_index: int) -> None:
@@ -119,7 +119,7 @@ class Runner:
         rc, team, trainer = self.config.runner, self.team, self.trainer
         T, E, N = rc.episode_length, self.envs.n_envs, team.n_agents  # this process's envs
         bases = self.envs.bases
-        buffer = RolloutBuffer(T, E, N, team.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
+        buffer = RolloutBuffer(T, E, N, team.prompts.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
                                slots_per_step=bases[0].workflow.max_turns_per_step)
         finished_returns, finished_correct, tokens = [], [], 0
         horizon = self.config.env.horizon
@@ -179,7 +179,7 @@ class Runner:
         speaker: agent 0 in profile order, the orchestrator when there is one)."""
         first = self.envs.bases[0].workflow.first_speaker
         prompt_ids, prompt_mask = self.team.encode_prompts(first, list(observations), [[] for _ in observations], [texts[first] for texts in private])
-        return self.team.values(prompt_ids, prompt_mask, agent=first).float().cpu()
+        return self.team.critic.values(prompt_ids, prompt_mask, agent=first).float().cpu()
 
     @torch.no_grad()
     def _final_values(self, infos: dict, truncated: np.ndarray) -> torch.Tensor:
@@ -201,7 +201,7 @@ class Runner:
         devices = [self.team.device] if self.team.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(self.config.runner.seed + 1_000_000 + self.dist.rank)
-            with self.team.frozen_adapters():
+            with self.team.headers.frozen():
                 return self._evaluate(n_episodes, make_env or self.make_eval_env)
 
     def _evaluate(self, n_episodes: int | None, make_env: Callable) -> dict[str, float]:

@@ -64,5 +64,5 @@ def play_team_step(
                 envs[row].take_turn(batch.agent, text)
         played += moment
     if with_values and team.has_critic and played:
-        team.value_batches([(batch.agent, batch.out) for batch in played], token_values)
+        team.critic.value_batches([(batch.agent, batch.out) for batch in played], token_values)
     return played

@@ -1,0 +1,139 @@
+"""The adapter bank: ONE frozen base model wrapped by peft, with one LoRA adapter per name.
+
+It creates the adapters (the agents' and the critics'), routes every forward pass through one of
+them, and selects each adapter's parameters by name. What the adapters are for (policies, critics)
+is the team's business; the bank only knows names.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Sequence
+
+import torch.nn as nn
+from peft import LoraConfig, get_peft_model
+from peft.tuners.tuners_utils import BaseTunerLayer
+
+if TYPE_CHECKING:
+    from marft.config import ModelConfig
+
+
+def adapter_name_for(role: str) -> str:
+    """A peft-safe adapter name for a role ("Agent 1" → "agent_1")."""
+    name = re.sub(r"[^0-9a-zA-Z_]+", "_", role.strip()).strip("_").lower()
+    return name or "agent"
+
+
+def adapter_of(parameter_name: str) -> str | None:
+    """The adapter a peft parameter belongs to: the name segment right after its ``lora_*`` segment
+    (``...q_proj.lora_A.<adapter>.weight``, ``...lora_embedding_A.<adapter>``), or None for a base weight.
+
+    Exact segments, not substrings: an adapter named ``model``, ``mlp``, ``layers`` or ``1`` must not
+    select every parameter whose path contains that word."""
+    parts = parameter_name.split(".")
+    for part, following in zip(parts, parts[1:]):
+        if part.startswith("lora_"):
+            return following
+    return None
+
+
+class AdapterBank:
+    """LoRA adapters named ``names`` on one frozen base model (``self.model``, a peft model).
+
+    Args:
+        base_model: a Hugging Face causal LM; its weights are frozen here.
+        config: the model section of the run config (LoRA rank, alpha, dropout, target modules,
+            gradient checkpointing).
+        names: the adapters to create, the first one becoming peft's default.
+    """
+
+    def __init__(self, base_model, config: ModelConfig, names: Sequence[str]):
+        self.names = list(names)
+        target = config.lora_target_modules
+        lora = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=target if target == "all-linear" else [t.strip() for t in target.split(",")],
+            task_type="CAUSAL_LM",
+        )
+        for p in base_model.parameters():
+            p.requires_grad_(False)
+        self.model = get_peft_model(base_model, lora, adapter_name=self.names[0])
+        for name in self.names[1:]:
+            self.model.add_adapter(name, lora)
+        self.lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self.lora_dropouts = [m for layer in self.lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
+        self.checkpointed_layers = []
+        if config.gradient_checkpointing:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            enable = getattr(base_model, "activation_checkpointing_enable", None)  # the newer name of gradient_checkpointing_enable
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.checkpointed_layers = [m for m in base_model.modules() if isinstance(m, GradientCheckpointingLayer)]
+        self.model.eval()  # new LoRA modules start in train mode: dropout stays off outside lora_dropout_active()
+
+    @property
+    def active(self) -> str:
+        """The adapter forward passes go through now."""
+        return str(self.model.active_adapter)
+
+    def parameters(self, adapter: str) -> list[nn.Parameter]:
+        """The LoRA parameters of one adapter, selected by the exact adapter segment of their names
+        (:func:`adapter_of`; not by ``requires_grad``, not by substring)."""
+        return [p for n, p in self.model.named_parameters() if adapter_of(n) == adapter]
+
+    def route(self, adapter: str) -> None:
+        """Make ``adapter`` the one every LoRA layer applies, leaving ``requires_grad`` alone (see :meth:`train_only`).
+
+        peft's ``set_adapter`` walks every module and flips ``requires_grad`` of every adapter, several
+        milliseconds per call; a rollout switches adapters three times per team step, so this sets the
+        active adapter of the LoRA layers found once (a test checks it against ``set_adapter``)."""
+        if adapter not in self.model.peft_config:
+            raise ValueError(f"no adapter named {adapter!r}; the team has {sorted(self.model.peft_config)}")
+        self.model.active_adapter = adapter
+        self.model.base_model.active_adapter = adapter
+        for layer in self.lora_layers:
+            layer._active_adapter = [adapter]
+
+    def train_only(self, adapter: str | None) -> None:
+        """``adapter``'s parameters require grad, every other LoRA parameter does not (None: none does)."""
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(adapter is not None and adapter_of(name) == adapter)
+
+    @contextmanager
+    def reference_policy(self):
+        """Inside, every forward runs the base model alone (all adapters off): the reference policy of the
+        KL penalty, with no second model in memory. Which parameters require grad is kept (peft's
+        ``disable_adapter`` resets it on exit)."""
+        trainable = {name: p.requires_grad for name, p in self.model.named_parameters()}
+        try:
+            with self.model.disable_adapter():
+                yield
+        finally:
+            for name, p in self.model.named_parameters():
+                p.requires_grad_(trainable[name])
+
+    @contextmanager
+    def lora_dropout_active(self):
+        """Inside (the update), LoRA dropout (``--lora_dropout``) is active; everywhere else the model is in
+        eval mode, so rollouts, critic values and scoring are deterministic functions of the weights.
+
+        With ``--gradient_checkpointing`` the decoder layers are checkpointed inside too: transformers
+        checkpoints a layer only while that layer is in training mode, so the layers' own ``training`` flags
+        are set (not ``.train()``, which would also turn on the base model's dropout below them)."""
+        for module in self.lora_dropouts:
+            module.train()
+        for layer in self.checkpointed_layers:
+            layer.training = True
+        try:
+            yield
+        finally:
+            for module in self.lora_dropouts:
+                module.eval()
+            for layer in self.checkpointed_layers:
+                layer.training = False

@@ -1,0 +1,230 @@
+"""Generation backends: what samples the agents' replies.
+
+A backend takes left-padded prompt ids and returns the sampled reply ids, the log-probs of the sampled
+tokens under the sampling distribution, and the settings it sampled with (:class:`GenerationBackend`).
+The forward pass goes through whichever adapter the team routed to. Today's backend is transformers'
+``generate`` behind the shared role-header cache (:class:`TransformersGenerate`); another (a lean
+decode loop, an inference server) only has to satisfy the same small interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+if TYPE_CHECKING:
+    from marft.agents.headers import RoleHeaderCache
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How replies are sampled, and so how they are scored."""
+
+    temperature: float
+    """Softmax temperature of sampling and scoring."""
+    top_k: int
+    """Sample among the k most likely tokens (0: the whole vocabulary). Scoring is NOT truncated."""
+    max_new_tokens: int
+    """Reply budget L in tokens."""
+    eos_id: int
+    """A reply ends at its first EOS (kept in the reply)."""
+    pad_id: int
+    """Fills a reply after its end."""
+
+    def scoring_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits whose log-softmax is the policy's log-prob (old and new alike): divided by the
+        temperature, NOT truncated to the top k. (..., V) → (..., V) float32.
+
+        Top-k only narrows sampling (as in TRL). Scoring on the truncated distribution would give a sampled
+        token that leaves the current top k a log-prob of -inf: a ratio of 0 for its whole reply and an
+        approximate KL of ~1e8."""
+        return logits.float() / self.temperature
+
+    def generation_config(self) -> GenerationConfig:
+        """These settings as transformers' ``GenerationConfig`` (multinomial sampling, nothing else)."""
+        return GenerationConfig(
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            max_new_tokens=self.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+        )
+
+
+@dataclass
+class SampledReplies:
+    """A backend's answer for a batch of B prompts."""
+
+    response_ids: torch.Tensor  # (B, L) right-padded with pad_id, L = max_new_tokens
+    response_mask: torch.Tensor  # (B, L) 1 on each reply token up to and including the first EOS
+    logprobs: torch.Tensor | None  # (B, L) log-probs of the sampled ids under the sampling distribution, 0 at padding; None: score them with a forward
+    settings: SamplingSettings  # what they were sampled with
+
+
+class GenerationBackend(Protocol):
+    """What the team needs from a generation backend."""
+
+    settings: SamplingSettings
+
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
+        """Sample one reply per prompt through the active adapter. ``prompt_ids (B, P)`` left-padded;
+        ``agent``: the prompts are that agent's (a backend may share their role header)."""
+        ...
+
+
+def reply_mask(response_ids: torch.Tensor, eos_id: int, generated: int) -> torch.Tensor:
+    """1 for each reply token up to and including the first EOS, within the ``generated`` first columns. (B, L) → (B, L)."""
+    is_eos = (response_ids == eos_id).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before each position
+    mask = (eos_before == 0).long()
+    mask[:, generated:] = 0
+    return mask
+
+
+class SampledLogprobs(LogitsProcessor):
+    """Records, step by step inside ``generate``, the log-prob of each sampled token under the policy's
+    scoring distribution (``scoring_logits`` of the very logits that were sampled from), keeping one ``(B, V)`` row.
+
+    It sits before generate's temperature/top-k warpers, so it sees the raw logits, and returns them unchanged.
+    """
+
+    def __init__(self, scoring_logits):
+        self.scoring_logits = scoring_logits
+        self.previous: torch.Tensor | None = None  # (B, V) log-probs of the step being sampled
+        self.steps: list[torch.Tensor] = []  # per sampled token: (B,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.previous is not None:  # input_ids now ends with the token sampled from ``previous``
+            self.steps.append(self.previous.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.previous = torch.log_softmax(self.scoring_logits(scores), dim=-1)
+        return scores
+
+    def logprobs(self, response: torch.Tensor) -> torch.Tensor:
+        """Log-probs of the generated ``response (B, L')`` → ``(B, L')``."""
+        steps = self.steps + ([self.previous.gather(-1, response[:, -1:]).squeeze(-1)] if len(self.steps) < response.shape[1] else [])
+        return torch.stack(steps, dim=1)
+
+
+class TransformersGenerate:
+    """transformers' ``model.generate`` (multinomial sampling with temperature and top-k), each agent's role
+    header run once per batch (:class:`RoleHeaderCache`).
+
+    Args:
+        headers: the role-header cache (and, through it, the peft model).
+        settings: the sampling settings.
+        logprobs_from_generate: take the log-probs from generate's own logits (float32: they equal a scoring
+            forward's to ~1e-6); in half precision the cached and uncached forwards differ more, so
+            :meth:`sample` returns None and the team scores replies with a forward.
+    """
+
+    def __init__(self, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool = True):
+        self.headers = headers
+        self.settings = settings
+        self.logprobs_from_generate = logprobs_from_generate
+        self.generation_config = settings.generation_config()
+        # generate() fills every field left unset from the model's own generation_config.json (min_p, typical_p,
+        # repetition_penalty, no_repeat_ngram_size, suppress_tokens, stop strings ... in real checkpoints); the
+        # recorded log-probs would then no longer describe what was sampled. An empty one leaves only ours.
+        headers.bank.model.get_base_model().generation_config = GenerationConfig()
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
+        s = self.settings
+        B = prompt_ids.shape[0]
+        scorer = SampledLogprobs(s.scoring_logits) if self.logprobs_from_generate else None
+        cache, ids, mask = None, prompt_ids, prompt_mask
+        if agent is not None:
+            cache, ids, mask = self.headers.behind_headers([(agent, prompt_ids, prompt_mask)])
+        sequences = self.headers.bank.model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, generation_config=self.generation_config,
+            logits_processor=LogitsProcessorList([scorer] if scorer else []),
+        )
+        response = sequences[:, ids.shape[1] :]  # (B, L')
+        response_ids = torch.full((B, s.max_new_tokens), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
+        response_ids[:, : response.shape[1]] = response
+        response_mask = reply_mask(response_ids, s.eos_id, response.shape[1])
+        if scorer is None:
+            return SampledReplies(response_ids, response_mask, None, s)
+        logprobs = torch.zeros(response_ids.shape, dtype=torch.float32, device=prompt_ids.device)  # (B, L)
+        logprobs[:, : response.shape[1]] = scorer.logprobs(response)
+        return SampledReplies(response_ids, response_mask, logprobs * response_mask, s)
+
+
+class DecodeLoop:
+    """A lean sampling loop of our own: one forward per new token on the KV cache, the same sampling ops as
+    transformers' ``generate`` (temperature, then top-k, softmax, one ``torch.multinomial`` per step, finished rows
+    padded) without its per-step machinery (logits processors, stopping criteria, input preparation). On CPU it
+    samples the same ids as :class:`TransformersGenerate` for the same seed (a test checks it); the log-probs come
+    from the very logits sampled from. Stops when every row has ended.
+
+    Args: as :class:`TransformersGenerate` (the log-probs are always recorded).
+    """
+
+    def __init__(self, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool = True):
+        self.headers = headers
+        self.settings = settings
+        self.logprobs_from_generate = logprobs_from_generate
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
+        from marft.agents.headers import position_ids_from_mask
+
+        s = self.settings
+        model = self.headers.bank.model
+        B, L = prompt_ids.shape[0], s.max_new_tokens
+        cache, ids, mask = None, prompt_ids, prompt_mask
+        if agent is not None:
+            cache, ids, mask = self.headers.behind_headers([(agent, prompt_ids, prompt_mask)])
+        if cache is None:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=model.config)
+        cached = cache.get_seq_length()
+        positions = position_ids_from_mask(mask)  # (B, W)
+        step_ids, step_positions = ids[:, cached:], positions[:, cached:]  # prefill: what the cache does not hold yet
+        next_position = positions[:, -1:] + 1  # (B, 1)
+        response_ids = torch.full((B, L), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
+        logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
+        unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
+        generated = 0
+        for t in range(L):
+            logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
+            scores = logits / s.temperature if s.temperature != 1.0 else logits
+            if s.top_k > 0:
+                kth = torch.topk(scores, min(s.top_k, scores.shape[-1]))[0][..., -1, None]  # (B, 1)
+                scores = scores.masked_fill(scores < kth, -float("inf"))
+            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # (B,)
+            token = torch.where(unfinished, token, torch.full_like(token, s.pad_id))
+            response_ids[:, t] = token
+            logprobs[:, t] = torch.log_softmax(s.scoring_logits(logits), dim=-1).gather(-1, token[:, None]).squeeze(1)
+            generated = t + 1
+            unfinished &= token != s.eos_id
+            if not unfinished.any():
+                break
+            step_ids, step_positions = token[:, None], next_position
+            next_position = next_position + 1
+            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
+        response_mask = reply_mask(response_ids, s.eos_id, generated)
+        return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
+
+
+GENERATION_BACKENDS = {
+    "generate": "transformers' model.generate behind the shared role-header cache (the reference)",
+    "decode_loop": "marft's lean sampling loop on the KV cache: the same ids and log-probs as generate for a seed on CPU, less overhead per token",
+}
+"""``--generation_backend`` → what samples the replies (the one table of backends)."""
+
+
+def make_backend(name: str, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool) -> GenerationBackend:
+    """The generation backend named ``name`` (:data:`GENERATION_BACKENDS`)."""
+    backends = {"generate": TransformersGenerate, "decode_loop": DecodeLoop}
+    if name not in backends:
+        raise ValueError(f"--generation_backend must be one of {', '.join(backends)}, got {name!r}")
+    return backends[name](headers, settings, logprobs_from_generate)

@@ -1,0 +1,126 @@
+"""The shared role-header cache: every prompt of agent ``a`` starts with the same role header, so a batch
+of a's prompts runs the header once and shares its keys/values instead of computing them in every row.
+
+Used by the generation backend (rollouts) and the critic (values), through whichever adapter is active.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from marft.agents.adapters import AdapterBank
+from marft.agents.prompts import left_pad
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pad-aware positions: the first real token of each row gets position 0. (B, S) → (B, S)."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class RoleHeaderCache:
+    """Runs role headers once per batch (or once per rollout, inside :meth:`frozen`) and re-packs prompts
+    behind them.
+
+    Args:
+        bank: the adapters; headers run through the active one.
+        header_ids: per agent, its role header's ids (``PromptEncoder.header_ids``; empty for anonymous roles).
+        pad_id: the padding id.
+        device: where the model runs.
+    """
+
+    def __init__(self, bank: AdapterBank, header_ids: Sequence[list[int]], pad_id: int, device):
+        self.bank = bank
+        self.header_ids = list(header_ids)
+        self.pad_id = pad_id
+        self.device = device
+        self.memo: dict | None = None
+        """Inside :meth:`frozen`: role-header keys/values per (adapter, agents); None outside."""
+
+    @contextmanager
+    def frozen(self):
+        """A stretch in which no adapter changes (a rollout, an evaluation): each adapter's role-header
+        keys/values are computed once and reused by every call inside, instead of once per call."""
+        if self.memo is not None:
+            yield
+            return
+        self.memo = {}
+        try:
+            yield
+        finally:
+            self.memo = None
+
+    def run(self, agents: Sequence[int]):
+        """Run the listed agents' role headers once, through the active adapter, in one forward.
+
+        Returns ``(cache, header_ids (n, Hmax), header_mask (n, Hmax))``, headers left-padded to the
+        longest, or ``(None, ...)`` when no listed agent has a header (anonymous profiles). Inside
+        :meth:`frozen` the result is computed once per adapter and agents.
+        """
+        agents = tuple(agents)
+        memo_key = (self.bank.active, agents)
+        if self.memo is not None and memo_key in self.memo:
+            cache, header_ids, header_mask = self.memo[memo_key]
+            return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given
+        header_ids, header_mask = left_pad([self.header_ids[a] for a in agents], self.pad_id, self.device)
+        if header_ids.shape[1] == 0:
+            return None, header_ids, header_mask
+        decoder = self.bank.model.get_base_model().get_decoder()
+        cache = decoder(
+            input_ids=header_ids, attention_mask=header_mask, position_ids=position_ids_from_mask(header_mask), use_cache=True,
+        ).past_key_values  # header positions 0..h_a-1, as in every row of agent a
+        if self.memo is not None:
+            self.memo[memo_key] = (copy.deepcopy(cache), header_ids, header_mask)
+        return cache, header_ids, header_mask
+
+    def rests(self, agent: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What follows agent ``agent``'s role header in each of its left-padded prompts. (B, P) → (B, P - h) ids and mask.
+
+        Row b's rest fills its last len_b - h columns, so dropping the first h columns keeps every rest,
+        and the mask of what is left is the prompt mask shifted by h."""
+        header = self.header_ids[agent]
+        h = len(header)
+        if h == 0:
+            return prompt_ids, prompt_mask
+        starts = prompt_mask.shape[1] - prompt_mask.sum(1, keepdim=True)  # (B, 1) first real column
+        columns = starts + torch.arange(h, device=prompt_ids.device)  # (B, h)
+        if (columns >= prompt_ids.shape[1]).any() or not torch.equal(
+            prompt_ids.gather(1, columns.clamp(max=prompt_ids.shape[1] - 1)), prompt_ids.new_tensor(header).expand(len(prompt_ids), -1)
+        ):
+            raise ValueError(f"a prompt of agent {agent} does not start with its role header; encode it with encode_prompts")
+        return prompt_ids[:, h:], prompt_mask[:, :-h]
+
+    def behind_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]]):
+        """Prompt batches of one or more agents, re-packed behind their agent's shared role header.
+
+        Args: ``batches``: ``(agent, prompt_ids (B_n, P_n), prompt_mask (B_n, P_n))`` per agent, as the
+        prompt encoder writes them (``[pads][header][rest]``).
+        Returns ``(cache, ids (ΣB_n, Hmax + S), mask (ΣB_n, Hmax + S))``, rows in the order given, each
+        ``[header][pads][rest]``: the cache holds the Hmax header columns (:meth:`run`, one forward
+        for all the agents), and pad-aware positions from ``mask`` equal those of the unshared rows.
+        """
+        rests = [self.rests(agent, ids, mask) for agent, ids, mask in batches]
+        width = max(ids.shape[1] for ids, _ in rests)
+        rest_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in rests])  # (ΣB, S)
+        rest_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in rests])  # (ΣB, S)
+        rows = torch.cat([torch.full((len(ids),), n, dtype=torch.long, device=ids.device) for n, (_, ids, _) in enumerate(batches)])  # (ΣB,)
+        cache, header_ids, header_mask = self.run([agent for agent, _, _ in batches])  # row n: batches[n]'s agent
+        if cache is not None:
+            cache.batch_select_indices(rows)
+        ids = torch.cat([header_ids[rows], rest_ids], dim=1)
+        mask = torch.cat([header_mask[rows], rest_mask], dim=1)
+        return cache, ids, mask
+
+    def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states of the active adapter's decoder over ``ids (B, S)``, whose first columns
+        ``cache`` (or None) already holds. → (B, S - cached, H)."""
+        cached = 0 if cache is None else cache.get_seq_length()
+        decoder = self.bank.model.get_base_model().get_decoder()
+        return decoder(
+            input_ids=ids[:, cached:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, cached:],
+            past_key_values=cache, use_cache=cache is not None,
+        ).last_hidden_state
