@@ -61,7 +61,7 @@ class ModelConfig:
     chat_template: str = "auto"
     """auto: when the tokenizer has a chat template (instruct models), render each agent's prompt with it: system = the agent's role prompt, one user message = its private observation and the shared conversation followed by "Now it is <Role>'s turn.", the reply = the assistant turn, ended by the tokenizer's eos_token_id (check it is the template's end of turn, <|im_end|> for Qwen2.5-Instruct); a tokenizer without one (the embedded marft-tiny) gets the plain transcript. none: always the plain transcript (role prompt, private observation, conversation, cue "<Role>:")."""
     generation_backend: str = "generate"
-    """What samples the replies: generate (transformers' model.generate, the reference) or decode_loop (marft's lean sampling loop on the KV cache: on CPU the same ids and log-probs as generate for a seed, with less overhead per token; see Benchmarks)."""
+    """What samples the replies: generate (transformers' model.generate, the reference) or decode_loop (marft's own sampling loop on the KV cache, without generate's logits processors and stopping criteria: on CPU the same ids and log-probs as generate for a seed; on the embedded model no faster, see Benchmarks)."""
     top_k: int = 0
     """Sample only among the k most likely tokens (0: off). The PPO log-probs are those of the tempered distribution before truncation (as in TRL), so a token that leaves the top k during the update keeps a finite ratio (counted: counters/out_of_topk_tokens)."""
     trust_remote_code: bool = False

@@ -402,7 +402,8 @@ def _plain_minibatches(n: int, num_mini_batch: int):
 def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers: dict) -> None:
     """The reference workload: for the critic and each agent, ``ppo_epoch`` passes of forward + backward +
     optimizer step over the same minibatches of tokens, with a minimal loss and no PPO bookkeeping."""
-    from marft.agents.team import CRITIC_ADAPTER, position_ids_from_mask
+    from marft.agents.critic import CRITIC_ADAPTER
+    from marft.agents.headers import position_ids_from_mask
     from marft.runner.shared.buffer import trim_batch
 
     model = team.model
@@ -447,7 +448,7 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
 
 
 def bench_update(args) -> dict:
-    from marft.agents.team import CRITIC_ADAPTER
+    from marft.agents.critic import CRITIC_ADAPTER
 
     if args.algorithm_name == "GRPO":
         raise SystemExit("update compares the critic-based trainers to plain forward+backward passes of the critic and the agents; "

@@ -216,8 +216,7 @@ def test_team_prompts_start_with_the_chat_header(chat_tokenizer, one_thread):
     ))
     config = ModelConfig(chat_template="auto", max_new_tokens=4, context_window=128, device="cpu")
     team = AgentTeam(model, chat_tokenizer, PROFILE, config)
-    if not team.prompts.uses_chat_template:
-        pytest.skip("AgentTeam does not pass config.chat_template to its PromptEncoder yet")
+    assert team.prompts.uses_chat_template  # --chat_template reaches the team's encoder
     reference = PromptEncoder(chat_tokenizer, PROFILE, 124, chat_template="auto")
     for agent in range(len(PROFILE)):
         ids, mask = team.encode_prompts(agent, HISTORIES, EARLIER, PRIVATE)
@@ -228,4 +227,6 @@ def test_team_prompts_start_with_the_chat_header(chat_tokenizer, one_thread):
             assert real[: len(header)] == header and real[-len(suffix) :] == suffix
             assert real == chat_ids(chat_tokenizer, PROFILE[agent], history, earlier, private)
         out = team.act(agent, HISTORIES, EARLIER, PRIVATE)  # generation behind the shared header cache
-        assert out.response_ids.shape[0] == len(HISTORIES) and torch.isfinite(out.logprobs).all()
+        with torch.no_grad():
+            scored = team.response_logprobs(team.agent_adapters[agent], out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask)
+        torch.testing.assert_close(out.logprobs, scored.logprobs, atol=1e-5, rtol=0)  # sampled behind the header = scored on whole rows

@@ -74,7 +74,7 @@ def test_groups_share_one_task_and_groups_differ(grpo_runner):
 
 
 def test_a_grpo_run_has_no_critic_anywhere(grpo_runner):
-    from marft.agents.team import CRITIC_ADAPTER
+    from marft.agents.critic import CRITIC_ADAPTER
 
     runner = grpo_runner
     team, trainer = runner.team, runner.trainer

@@ -18,7 +18,8 @@ import torch
 from test_team import HISTORIES, fill_buffer, make_team
 
 from marft.agents.loading import load_base_model
-from marft.agents.team import AgentTeam, adapter_of
+from marft.agents.adapters import adapter_of
+from marft.agents.team import AgentTeam
 from marft.algorithms import TRAINERS, trainer_class
 from marft.algorithms.losses import NORMALIZATION_MODES
 from marft.config import CHOICES, AlgoConfig, ModelConfig, TrainConfig, build_parser, parse_config

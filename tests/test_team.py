@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from marft.agents.loading import load_base_model
-from marft.agents.team import AgentTeam, reply_mask
+from marft.agents.generation import reply_mask
+from marft.agents.team import AgentTeam
 from marft.algorithms import TRAINERS, trainer_class
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.tppo_trainer import TPPOTrainer

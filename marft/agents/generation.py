@@ -163,7 +163,7 @@ class DecodeLoop:
     samples the same ids as :class:`TransformersGenerate` for the same seed (a test checks it); the log-probs come
     from the very logits sampled from. Stops when every row has ended.
 
-    Args: as :class:`TransformersGenerate` (the log-probs are always recorded).
+    Args: as :class:`TransformersGenerate` (without ``logprobs_from_generate`` the team scores the replies with a forward).
     """
 
     def __init__(self, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool = True):
@@ -196,14 +196,16 @@ class DecodeLoop:
         for t in range(L):
             logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions, past_key_values=cache,
                            use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
-            scores = logits / s.temperature if s.temperature != 1.0 else logits
+            scores = s.scoring_logits(logits)  # (B, V) tempered, as generate's temperature warper (x / 1.0 is x)
+            sampled_from = scores
             if s.top_k > 0:
                 kth = torch.topk(scores, min(s.top_k, scores.shape[-1]))[0][..., -1, None]  # (B, 1)
-                scores = scores.masked_fill(scores < kth, -float("inf"))
-            token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)  # (B,)
+                sampled_from = scores.masked_fill(scores < kth, -float("inf"))
+            token = torch.multinomial(torch.softmax(sampled_from, dim=-1), num_samples=1).squeeze(1)  # (B,)
             token = torch.where(unfinished, token, torch.full_like(token, s.pad_id))
             response_ids[:, t] = token
-            logprobs[:, t] = torch.log_softmax(s.scoring_logits(logits), dim=-1).gather(-1, token[:, None]).squeeze(1)
+            if self.logprobs_from_generate:
+                logprobs[:, t] = torch.log_softmax(scores, dim=-1).gather(-1, token[:, None]).squeeze(1)
             generated = t + 1
             unfinished &= token != s.eos_id
             if not unfinished.any():
@@ -215,16 +217,13 @@ class DecodeLoop:
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
 
 
-GENERATION_BACKENDS = {
-    "generate": "transformers' model.generate behind the shared role-header cache (the reference)",
-    "decode_loop": "marft's lean sampling loop on the KV cache: the same ids and log-probs as generate for a seed on CPU, less overhead per token",
-}
-"""``--generation_backend`` → what samples the replies (the one table of backends)."""
+GENERATION_BACKENDS = {"generate": TransformersGenerate, "decode_loop": DecodeLoop}
+"""``--generation_backend`` → the backend class (the one table of backends): ``generate``, transformers' ``model.generate``
+(the reference); ``decode_loop``, marft's own sampling loop (the same ids and log-probs as generate for a seed on CPU)."""
 
 
 def make_backend(name: str, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool) -> GenerationBackend:
     """The generation backend named ``name`` (:data:`GENERATION_BACKENDS`)."""
-    backends = {"generate": TransformersGenerate, "decode_loop": DecodeLoop}
-    if name not in backends:
-        raise ValueError(f"--generation_backend must be one of {', '.join(backends)}, got {name!r}")
-    return backends[name](headers, settings, logprobs_from_generate)
+    if name not in GENERATION_BACKENDS:
+        raise ValueError(f"--generation_backend must be one of {', '.join(GENERATION_BACKENDS)}, got {name!r}")
+    return GENERATION_BACKENDS[name](headers, settings, logprobs_from_generate)

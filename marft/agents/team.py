@@ -34,9 +34,9 @@ import torch
 import torch.nn as nn
 
 from marft.config import ModelConfig
-from marft.agents.adapters import AdapterBank, adapter_name_for, adapter_of  # noqa: F401  (re-exported)
+from marft.agents.adapters import AdapterBank, adapter_name_for
 from marft.agents.critic import CRITIC_ADAPTER, Critic
-from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings, make_backend, reply_mask  # noqa: F401
+from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings, make_backend
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
 

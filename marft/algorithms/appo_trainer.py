@@ -20,7 +20,8 @@ from collections import defaultdict
 
 import torch
 
-from marft.agents.team import CRITIC_ADAPTER, AgentTeam
+from marft.agents.critic import CRITIC_ADAPTER
+from marft.agents.team import AgentTeam
 from marft.algorithms.advantages import chain_rewards, turn_credits
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
 from marft.config import AlgoConfig

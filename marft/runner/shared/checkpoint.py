@@ -35,7 +35,8 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
-from marft.agents.team import CRITIC_ADAPTER, AgentTeam
+from marft.agents.critic import CRITIC_ADAPTER
+from marft.agents.team import AgentTeam
 from marft.faults import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -254,6 +255,9 @@ FIXED_FIELDS = {
 """Flags that cannot change on resume: they decide which adapters exist and their shapes (roles are checked too)."""
 NOT_INHERITED = ("load_path", "output_dir")
 """Runner flags never taken from the checkpoint: where to load from and where to write to."""
+BEFORE_THE_FLAG = {"model": {"chat_template": "none"}}
+"""What a flag meant in checkpoints saved before it existed, when its default now means something else (their prompts
+were plain transcripts); a flag missing from a checkpoint and not listed here takes today's default."""
 
 
 def resume_config(config, given: set[str]):
@@ -271,11 +275,10 @@ def resume_config(config, given: set[str]):
     current = config.to_dict()
     for section, values in current.items():
         merged[section] = dict(values)
+        old = {**BEFORE_THE_FLAG.get(section, {}), **saved.get(section, {})}
         for name in values:
-            if name not in given and not (section == "runner" and name in NOT_INHERITED) and name in saved.get(section, {}):
-                merged[section][name] = saved[section][name]
-    if "chat_template" not in given and "chat_template" not in saved.get("model", {}):
-        merged["model"]["chat_template"] = "none"  # saved before chat templates existed: its prompts were plain transcripts
+            if name not in given and not (section == "runner" and name in NOT_INHERITED) and name in old:
+                merged[section][name] = old[name]
     merged["runner"]["load_path"] = str(path)
     try:
         resumed = TrainConfig.from_dict(merged)

@@ -29,10 +29,6 @@ from marft.faults import CheckpointError, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.runner.shared.diagnostics import TeamDiagnostics, write_transcripts
 from marft.runner.shared.turns import play_team_step
-from marft.workflows import OrchestratedWorkflow
-
-ORCHESTRATOR_INVALID = "orchestrator_invalid"
-"""The trainer counter of orchestrator replies (training rollouts) with neither a known call nor ``<done/>``."""
 from marft.runner.shared.checkpoint import (
     cleanup_partial_checkpoints,
     config_changes,
@@ -44,6 +40,10 @@ from marft.runner.shared.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from marft.workflows import OrchestratedWorkflow
+
+ORCHESTRATOR_INVALID = "orchestrator_invalid"
+"""The trainer counter of orchestrator replies (training rollouts) with neither a known call nor ``<done/>``."""
 
 logger = logging.getLogger(__name__)
 
