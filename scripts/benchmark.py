@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -154,6 +155,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
             group_size=args.group_size, kl_coef=args.kl_coef, credit_assignment=args.credit_assignment,
             credit_discount=args.credit_discount,
+            update_on_constant_rewards=args.bench != "learning",  # timings: the policies are updated on every batch
         ),
         runner=RunnerConfig(
             n_rollout_threads=args.n_rollout_threads, episode_length=args.episode_length, num_env_steps=args.num_env_steps,
@@ -399,9 +401,10 @@ def _plain_minibatches(n: int, num_mini_batch: int):
     return torch.randperm(n).split(size)
 
 
-def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers: dict) -> None:
+def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers: dict) -> float:
     """The reference workload: for the critic and each agent, ``ppo_epoch`` passes of forward + backward +
-    optimizer step over the same minibatches of tokens, with a minimal loss and no PPO bookkeeping."""
+    optimizer step over the same minibatches of tokens, with a minimal loss and no PPO bookkeeping, every row
+    running its whole prompt. Returns the share of padding in its policy forwards."""
     from marft.agents.critic import CRITIC_ADAPTER
     from marft.agents.headers import position_ids_from_mask
     from marft.runner.shared.buffer import trim_batch
@@ -428,6 +431,7 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
             loss.backward()
             optimizers[CRITIC_ADAPTER].step()
             optimizers[CRITIC_ADAPTER].zero_grad(set_to_none=True)
+    positions = padding = 0
     for agent in range(team.n_agents):
         adapter = team.agent_adapters[agent]
         samples = buffer.agent_samples(agent, token_level)
@@ -438,6 +442,7 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
                 L = mb["response_ids"].shape[1]
                 ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)  # (B, P + L)
                 mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1)  # (B, P + L)
+                positions, padding = positions + mask.numel(), padding + int((mask == 0).sum())
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), logits_to_keep=L + 1).logits
                 logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, L)
                 weight = mb["token_advantages"] if token_level else mb["advantages"].unsqueeze(-1)
@@ -445,6 +450,7 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
                 loss.backward()
                 optimizers[adapter].step()
                 optimizers[adapter].zero_grad(set_to_none=True)
+    return padding / positions
 
 
 def bench_update(args) -> dict:
@@ -469,13 +475,14 @@ def bench_update(args) -> dict:
 
     def plain():
         team.critic.value_head.requires_grad_(True)  # peft's set_adapter makes the active adapter (only) trainable
-        plain_update(team, config.algo, buffer, trainer.token_level, optimizers)
+        pad_shares["plain"] = plain_update(team, config.algo, buffer, trainer.token_level, optimizers)
 
+    pad_shares, metrics = {}, {}
     timed(lambda: trainer.update(buffer, 0))  # warm-up
     timed(plain)
     marft_s, plain_s = [], []
     for r in range(args.repeats):  # interleaved so that drift affects both alike
-        marft_s.append(timed(lambda: trainer.update(buffer, r)))
+        marft_s.append(timed(lambda: metrics.update(trainer.update(buffer, r))))
         plain_s.append(timed(plain))
         print(f"repeat {r}: marft update {marft_s[-1]:.2f}s, plain forward+backward {plain_s[-1]:.2f}s", flush=True)
     team.set_active(None)
@@ -488,6 +495,8 @@ def bench_update(args) -> dict:
         "marft_s": marft_mean,
         "plain_s": plain_mean,
         "ratio": marft_mean / plain_mean,
+        "pad_share": statistics.mean(v for k, v in metrics.items() if k.endswith("/pad_share")),  # of the policy forwards' positions
+        "plain_pad_share": pad_shares["plain"],
     })
 
 

@@ -119,11 +119,14 @@ def test_resume_of_an_orchestrated_run_mid_episode_is_exact(random_model_dir, tm
 # ---------------------------------------------------------------------- resuming with another config
 @pytest.fixture(scope="module")
 def trained_run(random_model_dir, tmp_path_factory):
-    """A run of N iterations saved every iteration (copy it before writing into it)."""
+    """A run of N iterations saved every iteration (copy it before writing into it); torch's thread count is
+    restored afterwards (the tests after this module run with the default)."""
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("trained") / "run"
     assert main(flags(random_model_dir, N, run, "--save_interval", "1", "--lr", "2e-3")) == 0
-    return run
+    yield run
+    torch.set_num_threads(threads)
 
 
 def copy_run(run: Path, tmp_path: Path) -> Path:

@@ -269,3 +269,21 @@ def test_choice_flags_help_validation_and_benchmark_read_one_registry():
     help_text = subprocess.run([sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--help"], capture_output=True, text=True, timeout=120).stdout
     for table in CHOICES.values():
         assert "{" + ",".join(table) + "}" in help_text
+
+
+@pytest.mark.parametrize("update_anyway", [False, True])
+def test_a_constant_reward_batch_moves_the_policies_only_with_update_on_constant_rewards(random_model_dir, update_anyway):
+    """A batch whose rewards are all equal trains the critic only and is counted; with
+    --update_on_constant_rewards the policies are updated on it too (the original MARFT's behaviour)."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    trainer = trainer_class("APPO")(team, AlgoConfig(update_on_constant_rewards=update_anyway), steps_per_iteration=8)
+    buffer = fill_buffer(team, trainer=trainer)
+    buffer.agent_rewards.fill_(1.0)
+    buffer.rewards = buffer.played.float()
+    trainer.compute_advantages(buffer)
+    before = {a: [p.detach().clone() for p in team.adapter_parameters(a)] for a in team.adapters}
+    trainer.update(buffer, 0)
+    moved = {a: any(not torch.equal(p, q) for p, q in zip(before[a], team.adapter_parameters(a))) for a in team.adapters}
+    assert moved == {"reasoner": update_anyway, "actor": update_anyway, "critic": True}
+    assert trainer.counters["constant_reward_batches"] == (0 if update_anyway else 1)

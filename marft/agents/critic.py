@@ -65,12 +65,17 @@ class Critic(nn.Module):
         """The agents whose turns ``critic`` values."""
         return [agent for agent, c in enumerate(self.agent_critics) if c == critic]
 
-    def adapter_for(self, agent: int | None, critic: str | None = None) -> str:
-        """``critic`` when given, else ``agent``'s critic, else the only one."""
+    def adapter_for(self, agent: int | torch.Tensor | None, critic: str | None = None) -> str:
+        """``critic`` when given, else the critic of ``agent`` (or of every row's agent, a ``(B,)`` tensor:
+        they must share it), else the only one."""
         if critic is not None:
             return critic
         if agent is not None:
-            return self.agent_critics[agent]
+            agents = [agent] if isinstance(agent, int) else sorted(set(agent.tolist()))
+            critics = sorted({self.agent_critics[a] for a in agents})
+            if len(critics) == 1:
+                return critics[0]
+            raise ValueError(f"agents {agents} are valued by different critics {critics}: value them one critic at a time")
         if len(self.adapters) != 1:
             raise ValueError(f"say which critic values these prompts: the team has {self.adapters}")
         return self.adapters[0]
@@ -81,29 +86,34 @@ class Critic(nn.Module):
         prompt_mask: torch.Tensor,
         response_ids: torch.Tensor | None = None,
         response_mask: torch.Tensor | None = None,
-        agent: int | None = None,
+        agent: int | torch.Tensor | None = None,
         critic: str | None = None,
     ) -> torch.Tensor:
         """A critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H).
 
-        With ``agent``, the prompts are that agent's: its critic runs them (unless ``critic`` names one), its
-        role header is run once for the batch and the B prompts cost only what comes after it. S may then be
-        shorter than P + L, but the last columns are the same positions either way: index from the end.
+        With ``agent`` (one agent, or each row's agent as a ``(B,)`` tensor), the prompts are those agents':
+        their critic runs them (unless ``critic`` names one), each role header is run once for the batch
+        (with its gradient summed over its rows in an update) and the B prompts cost only what comes after
+        it. S may then be shorter than P + L, but the last columns are the same positions either way: index
+        from the end.
         """
         self.headers.bank.route(self.adapter_for(agent, critic))
         cache = None
         if agent is not None:
-            cache, prompt_ids, prompt_mask = self.headers.behind_headers([(agent, prompt_ids, prompt_mask)])
+            agents = torch.full((len(prompt_ids),), agent, dtype=torch.long) if isinstance(agent, int) else agent
+            cache, prompt_ids, prompt_mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)
         if response_ids is not None:
             prompt_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
             prompt_mask = torch.cat([prompt_mask, response_mask], dim=1)
         return self.headers.decoder_states(cache, prompt_ids, prompt_mask)
 
-    def values(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None, critic: str | None = None) -> torch.Tensor:
+    def values(
+        self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | torch.Tensor | None = None, critic: str | None = None
+    ) -> torch.Tensor:
         """V(prompt) from the last prompt token's hidden state. (B, P) → (B,).
 
-        ``agent``: the prompts are that agent's (valued by its critic; its role header is run once for the
-        batch); ``critic``: the critic to use on prompts of any agents (needed with per-agent critics)."""
+        ``agent``: the prompts are that agent's, or each row's agent's (``(B,)``): valued by their critic, each
+        role header run once for the batch (:meth:`states`); ``critic``: the critic to use on prompts of any agents (needed with per-agent critics)."""
         critic = self.adapter_for(agent, critic)
         hidden = self.states(prompt_ids, prompt_mask, agent=agent, critic=critic)  # (B, S, H)
         return self.value_heads[critic](hidden[:, -1].float()).squeeze(-1)  # (B,)
@@ -114,7 +124,7 @@ class Critic(nn.Module):
         prompt_mask: torch.Tensor,
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
-        agent: int | None = None,
+        agent: int | torch.Tensor | None = None,
         critic: str | None = None,
     ) -> torch.Tensor:
         """Token-level critic: the value before each reply token, from the exact sampled ids.

@@ -94,25 +94,57 @@ class RoleHeaderCache:
             raise ValueError(f"a prompt of agent {agent} does not start with its role header; encode it with encode_prompts")
         return prompt_ids[:, h:], prompt_mask[:, :-h]
 
+    @property
+    def sharable(self) -> bool:
+        """Whether a forward may start from a shared header's cache now. Not while ``--gradient_checkpointing``
+        checkpoints the layers (the update): transformers then drops a given cache (a checkpointed layer would
+        write it twice), so the rows would silently lose their header."""
+        return not any(layer.training for layer in self.bank.checkpointed_layers)
+
     def behind_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]]):
         """Prompt batches of one or more agents, re-packed behind their agent's shared role header.
 
         Args: ``batches``: ``(agent, prompt_ids (B_n, P_n), prompt_mask (B_n, P_n))`` per agent, as the
         prompt encoder writes them (``[pads][header][rest]``).
-        Returns ``(cache, ids (ΣB_n, Hmax + S), mask (ΣB_n, Hmax + S))``, rows in the order given, each
-        ``[header][pads][rest]``: the cache holds the Hmax header columns (:meth:`run`, one forward
-        for all the agents), and pad-aware positions from ``mask`` equal those of the unshared rows.
+        Returns :meth:`rows_behind_headers` of their rows in the order given.
         """
-        rests = [self.rests(agent, ids, mask) for agent, ids, mask in batches]
-        width = max(ids.shape[1] for ids, _ in rests)
-        rest_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in rests])  # (ΣB, S)
-        rest_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in rests])  # (ΣB, S)
-        rows = torch.cat([torch.full((len(ids),), n, dtype=torch.long, device=ids.device) for n, (_, ids, _) in enumerate(batches)])  # (ΣB,)
-        cache, header_ids, header_mask = self.run([agent for agent, _, _ in batches])  # row n: batches[n]'s agent
-        if cache is not None:
-            cache.batch_select_indices(rows)
-        ids = torch.cat([header_ids[rows], rest_ids], dim=1)
-        mask = torch.cat([header_mask[rows], rest_mask], dim=1)
+        width = max(ids.shape[1] for _, ids, _ in batches)
+        ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for _, ids, _ in batches])  # (ΣB, P)
+        mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in batches])  # (ΣB, P)
+        agents = torch.cat([torch.full((len(ids),), agent, dtype=torch.long) for agent, ids, _ in batches])  # (ΣB,)
+        return self.rows_behind_headers(agents, ids, mask)
+
+    def rows_behind_headers(self, agents: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+        """Prompts of several agents, each row re-packed behind its agent's shared role header, in their own order.
+
+        Args: ``agents (B,)``: each row's agent; ``prompt_ids (B, P)``, ``prompt_mask (B, P)`` as the prompt
+        encoder writes them (``[pads][header][rest]``).
+        Returns ``(cache, ids (B, Hmax + S), mask (B, Hmax + S))``, each row ``[header][pads][rest]``: the cache
+        holds the Hmax header columns (:meth:`run`: one forward for the distinct agents, whatever the number
+        of rows; its keys/values are indexed per row, so under autograd each header's backward receives the
+        summed gradient of its rows), and pad-aware positions from ``mask`` equal those of the unshared rows.
+        ``(None, prompt_ids, prompt_mask)`` when nothing can be shared (no headers, prompts that are only their
+        header, or not :attr:`sharable`).
+        """
+        distinct = sorted(set(agents.tolist()))
+        if not self.sharable or all(len(self.header_ids[a]) == 0 for a in distinct):
+            return None, prompt_ids, prompt_mask
+        B, device = len(agents), prompt_ids.device
+        rows_of = [(agents == a).nonzero().squeeze(1).to(device) for a in distinct]  # per distinct agent, its rows
+        rests = [(rows, *self.rests(a, prompt_ids[rows], prompt_mask[rows])) for a, rows in zip(distinct, rows_of)]
+        width = max(ids.shape[1] for _, ids, _ in rests)
+        if width == 0:  # prompts that are only their header: nothing would follow the cache
+            return None, prompt_ids, prompt_mask
+        rest_ids = torch.full((B, width), self.pad_id, dtype=prompt_ids.dtype, device=device)  # (B, S) right-aligned rests
+        rest_mask = torch.zeros((B, width), dtype=prompt_mask.dtype, device=device)
+        for rows, ids, mask in rests:
+            rest_ids[rows, width - ids.shape[1]:] = ids
+            rest_mask[rows, width - mask.shape[1]:] = mask
+        header_of_row = torch.as_tensor([distinct.index(a) for a in agents.tolist()], device=device)  # (B,) index into distinct
+        cache, header_ids, header_mask = self.run(distinct)
+        cache.batch_select_indices(header_of_row)
+        ids = torch.cat([header_ids[header_of_row], rest_ids], dim=1)
+        mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
         return cache, ids, mask
 
     def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

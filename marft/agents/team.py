@@ -50,6 +50,8 @@ class ReplyScores:
     logprobs: torch.Tensor  # (B, L) log-probs of the reply tokens under the scoring distribution, 0 at padding
     entropy: torch.Tensor | None  # (B, L) entropy of that distribution per position (None unless asked), 0 at padding
     out_of_topk: int = 0  # reply tokens outside the current policy's top-k (0 when top-k is off)
+    positions: int = 0  # token positions the forward ran (each shared role header once)
+    padding: int = 0  # of them, padding
 
 
 @dataclass
@@ -177,38 +179,55 @@ class AgentTeam(nn.Module):
         response_ids: torch.Tensor,
         response_mask: torch.Tensor,
         with_entropy: bool = False,
+        agents: torch.Tensor | None = None,
+        entropy_grad: bool = True,
     ) -> ReplyScores:
         """Log-probs (and entropies) of the given reply tokens under ``adapter``'s policy.
 
-        Args: prompt (B, P) left-padded, response (B, L) right-padded.
+        Args: prompt (B, P) left-padded, response (B, L) right-padded; ``agents (B,)``: each row's agent (its
+        prompt starts with that agent's role header): each header then runs once for the batch, its gradient
+        summed over its rows (:meth:`RoleHeaderCache.rows_behind_headers`), instead of once in every row;
+        ``entropy_grad``: False computes the entropy outside the autograd graph (when it is only logged).
         Returns :class:`ReplyScores`: ``logprobs (B, L)`` and ``entropy (B, L)`` (or None) of the scoring
-        distribution (``SamplingSettings.scoring_logits``), zero where the reply is padding, and with ``--top_k``
-        the count of reply tokens outside the top k. Only the L + 1 last positions' logits are materialised.
+        distribution (``SamplingSettings.scoring_logits``), zero where the reply is padding, with ``--top_k``
+        the count of reply tokens outside the top k, and how many positions the forward ran and were padding.
+        Only the L + 1 last positions' logits are materialised.
         """
         self.bank.route(adapter)
         L = response_ids.shape[1]
-        input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
-        mask = torch.cat([prompt_mask, response_mask], dim=1)  # (B, P + L)
+        cache = None
+        if agents is not None:
+            cache, prompt_ids, prompt_mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)  # (B, Hmax + S)
+        input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L), or behind the cached headers
+        mask = torch.cat([prompt_mask, response_mask], dim=1)
+        cached = 0 if cache is None else cache.get_seq_length()
+        positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
+        if cache is not None:  # each distinct header ran once, left-padded to the longest
+            headers = [self.prompts.header_ids[a] for a in set(agents.tolist())]
+            positions += cached * len(headers)
+            padding += sum(cached - len(h) for h in headers)
         out = self.model(
-            input_ids=input_ids,
+            input_ids=input_ids[:, cached:],
             attention_mask=mask,
-            position_ids=position_ids_from_mask(mask),
+            position_ids=position_ids_from_mask(mask)[:, cached:],
+            past_key_values=cache,
             logits_to_keep=L + 1,
-            use_cache=False,
+            use_cache=cache is not None,
         )
-        logits = self.sampling.scoring_logits(out.logits[:, :-1])  # (B, L, V): position P-1+t predicts response token t
+        logits = self.sampling.scoring_logits(out.logits[:, :-1])  # (B, L, V): the position before reply token t predicts it
         logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
         taken = logp_all.gather(-1, response_ids.unsqueeze(-1))  # (B, L, 1)
         logprobs = taken.squeeze(-1) * response_mask  # (B, L)
         entropy = None
         if with_entropy:
-            entropy = -(logp_all.exp() * logp_all).sum(-1) * response_mask  # (B, L)
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropy = -(logp_all.exp() * logp_all).sum(-1) * response_mask  # (B, L)
         out_of_topk = 0
         if self.config.top_k > 0:
             with torch.no_grad():
                 kth = torch.topk(logp_all, min(self.config.top_k, logp_all.shape[-1]), dim=-1).values[..., -1:]  # (B, L, 1)
                 out_of_topk = int(((taken < kth).squeeze(-1) & response_mask.bool()).sum())
-        return ReplyScores(logprobs, entropy, out_of_topk)
+        return ReplyScores(logprobs, entropy, out_of_topk, positions, padding)
 
     @torch.no_grad()
     def sample(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
@@ -232,7 +251,9 @@ class AgentTeam(nn.Module):
         replies = self.sample(adapter, prompt_ids, prompt_mask, agent)
         logprobs = replies.logprobs
         if logprobs is None:
-            logprobs = self.response_logprobs(adapter, prompt_ids, prompt_mask, replies.response_ids, replies.response_mask).logprobs
+            logprobs = self.response_logprobs(
+                adapter, prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, agents=torch.full((len(prompt_ids),), agent)
+            ).logprobs
         return TurnOutput(prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, logprobs,
                           self.decode(replies.response_ids, replies.response_mask))
 

@@ -66,6 +66,8 @@ class APPOTrainer:
         """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
         self.iteration = 0
         """The 0-based iteration being updated (for messages)."""
+        self.scored_positions = [0, 0]
+        """Token positions the policy forwards of the current adapter's update ran, and of them padding (``pad_share``)."""
 
     @property
     def critic_optimizer(self):
@@ -173,25 +175,31 @@ class APPOTrainer:
         out = torch.zeros(n_samples, L)
         adapter = self.team.policy_adapters[0]
         for rows in torch.arange(n_samples).split(size):
-            mb = trim_batch({k: samples[k][rows] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask")}, self.team.device)
+            mb = trim_batch({k: samples[k][rows] for k in ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask")}, self.team.device)
             with self.team.bank.reference_policy():
-                scores = self.team.response_logprobs(adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"])
+                scores = self.team.response_logprobs(
+                    adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], agents=mb["agent"]
+                )
             out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
         return out
 
     def score_replies(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The current policy's token log-probs and entropies of the minibatch's replies, ``(B, L)`` each;
-        sampled tokens outside the current top-k are counted (``out_of_topk_tokens``)."""
+        sampled tokens outside the current top-k are counted (``out_of_topk_tokens``). Each role header runs
+        once per minibatch chunk; the entropy is in the graph only when ``entropy_coef`` weighs it in the loss."""
         scores = self.team.response_logprobs(
-            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True
+            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True,
+            agents=mb["agent"], entropy_grad=self.config.entropy_coef != 0,
         )
         self.counters["out_of_topk_tokens"] += scores.out_of_topk
+        self.scored_positions[0] += scores.positions
+        self.scored_positions[1] += scores.padding
         return scores.logprobs, scores.entropy
 
     def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
         """Clipped value loss of the prompt values under ``critic`` (default: the shared one)."""
         cfg = self.config
-        values = self.team.critic.values(mb["prompt_ids"], mb["prompt_mask"], critic=critic)  # (B,)
+        values = self.team.critic.values(mb["prompt_ids"], mb["prompt_mask"], agent=mb["agent"], critic=critic)  # (B,)
         return clipped_value_loss(values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
 
     # ------------------------------------------------------------------ update
@@ -202,10 +210,11 @@ class APPOTrainer:
         advantages are only the critic's errors, and following them (Adam turns any non-zero gradient into a
         full-size step) is a random walk that lowers the policy's entropy. Such a batch trains the critic
         only, and is counted (``counters/constant_reward_batches``), as group-relative methods zero out groups
-        without reward variance. LoRA dropout (``--lora_dropout``) is active here only."""
+        without reward variance (``--update_on_constant_rewards true``: the policies are updated anyway, as in the
+        original MARFT). LoRA dropout (``--lora_dropout``) is active here only."""
         self.iteration = iteration
         agents = self.agents_to_train(iteration)
-        if agents and not self.rewards_vary(buffer):
+        if agents and not self.config.update_on_constant_rewards and not self.rewards_vary(buffer):
             self.counters["constant_reward_batches"] += 1
             agents = []
         out_of_topk = self.counters["out_of_topk_tokens"]
@@ -226,10 +235,18 @@ class APPOTrainer:
 
     def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float]]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
-        units of each minibatch summed over processes (one all-reduce per epoch). Returns ``[(chunks, units)]``."""
+        units of each minibatch summed over processes (one all-reduce per epoch). Returns ``[(chunks, units)]``.
+
+        A minibatch's rows are sorted by length before it is cut into chunks: each chunk then holds rows of
+        similar lengths and pays for less padding (the minibatch's gradient, their sum, is the same)."""
         n_samples = samples["prompt_ids"].shape[0]
         size = math.ceil(n_samples / self.config.num_mini_batch)
         minibatches = torch.randperm(n_samples).split(size)
+        if chunks_per_minibatch > 1:
+            lengths = samples["prompt_mask"].sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
+            if "response_mask" in samples:
+                lengths = lengths + samples["response_mask"].sum(-1)
+            minibatches = [indices[lengths[indices].argsort(stable=True)] for indices in minibatches]
         units = self.dist.sum_floats([self.loss_units(samples, indices) for indices in minibatches])
         return [(indices.chunk(chunks_per_minibatch), max(u, 1.0)) for indices, u in zip(minibatches, units)]
 
@@ -276,6 +293,7 @@ class APPOTrainer:
         if cfg.kl_coef > 0:
             samples["ref_logprobs"] = self.reference_logprobs(samples)
         stats = defaultdict(list)
+        self.scored_positions = [0, 0]
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
             for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps):
@@ -301,6 +319,8 @@ class APPOTrainer:
                 self.counters["kl_early_stops"] += 1
                 logger.info("adapter %s: approx KL %.4f > target %.4f, remaining epochs skipped", adapter, kl_sum / kl_count, cfg.target_kl)
                 break
+        positions, padding = self.scored_positions
+        stats["pad_share"].append(padding / positions if positions else float("nan"))
         return {key: _nanmean(values) for key, values in stats.items()}
 
     def update_critic(self, samples: dict[str, torch.Tensor], critic: str = CRITIC_ADAPTER) -> dict[str, float]:

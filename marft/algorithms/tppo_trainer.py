@@ -48,7 +48,9 @@ class TPPOTrainer(APPOTrainer):
     def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
         """Clipped value loss of every real reply token's value under ``critic`` (default: the shared one)."""
         cfg = self.config
-        values = self.team.critic.token_values(mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], critic=critic)  # (B, L)
+        values = self.team.critic.token_values(
+            mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], agent=mb["agent"], critic=critic
+        )  # (B, L)
         return clipped_value_loss(
             values, mb["token_values"], mb["token_returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta,
             weights=mb["response_mask"].float(),

@@ -152,12 +152,13 @@ class RolloutBuffer:
         self.returns = (spoke * returns.unsqueeze(2)).sum(-1)
         return zero_variance
 
-    ACTION_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
-    TOKEN_FIELDS = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
+    ACTION_FIELDS = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
+    TOKEN_FIELDS = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
 
     def agent_samples(self, agents: int | list[int], token_level: bool = False) -> dict[str, torch.Tensor]:
         """The turns of one agent, or of several (agents sharing an adapter), agent by agent, each agent's in
-        (step, env, slot) order: every tensor gets a leading dim of that many turns."""
+        (step, env, slot) order: every tensor gets a leading dim of that many turns; ``agent`` says whose each
+        turn is (the update runs each agent's role header once per minibatch chunk)."""
         agents = [agents] if isinstance(agents, int) else list(agents)
         fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
         rows = [(self.agent == a).flatten() for a in agents]  # per agent, (T·E·S,)
@@ -168,13 +169,15 @@ class RolloutBuffer:
 
     def critic_samples(self, token_level: bool = False, agents: list[int] | None = None) -> dict[str, torch.Tensor]:
         """Every turn (or the turns of ``agents``, for a per-agent critic) in (step, env, slot) order:
-        prompts with values and returns (token level: also the replies with per-token values and returns)."""
+        their agents and prompts with values and returns (token level: also the replies with per-token values and
+        returns)."""
         keep = self.played if agents is None else torch.isin(self.agent, torch.as_tensor(agents, dtype=torch.long))
         played = keep.flatten()  # (T·E·S,)
         if token_level:
-            fields = ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
+            fields = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
             return {name: getattr(self, name).flatten(0, 2)[played] for name in fields}
         return {
+            "agent": self.agent.flatten(0, 2)[played],
             "prompt_ids": self.prompt_ids.flatten(0, 2)[played],
             "prompt_mask": self.prompt_mask.flatten(0, 2)[played],
             "values": self.values[:-1].flatten(0, 2)[played],
