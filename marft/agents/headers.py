@@ -22,6 +22,21 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Row b of every layer's keys/values becomes row ``rows[b]`` of the cache. (n, ...) → (B, ...).
+
+    Without gradients this is an index. Under autograd the rows are picked by a one-hot matrix product: the
+    backward of an index adds the rows' gradients with atomic adds on CPU, in a different order from run to
+    run, which made training irreproducible; the product's backward sums them in a fixed order."""
+    if not any(layer.keys.requires_grad or layer.values.requires_grad for layer in cache.layers):
+        cache.batch_select_indices(rows)
+        return
+    for layer in cache.layers:
+        one_hot = nn.functional.one_hot(rows, len(layer.keys)).to(layer.keys.dtype)  # (B, n)
+        layer.keys = (one_hot @ layer.keys.flatten(1)).view(len(rows), *layer.keys.shape[1:])
+        layer.values = (one_hot @ layer.values.flatten(1)).view(len(rows), *layer.values.shape[1:])
+
+
 class RoleHeaderCache:
     """Runs role headers once per batch (or once per rollout, inside :meth:`frozen`) and re-packs prompts
     behind them.
@@ -142,7 +157,7 @@ class RoleHeaderCache:
             rest_mask[rows, width - mask.shape[1]:] = mask
         header_of_row = torch.as_tensor([distinct.index(a) for a in agents.tolist()], device=device)  # (B,) index into distinct
         cache, header_ids, header_mask = self.run(distinct)
-        cache.batch_select_indices(header_of_row)
+        select_rows(cache, header_of_row)
         ids = torch.cat([header_ids[header_of_row], rest_ids], dim=1)
         mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
         return cache, ids, mask
