@@ -118,3 +118,35 @@ def test_rows_of_several_agents_keep_their_order_behind_their_headers(random_mod
     assert len(set(agents.tolist())) == 3
     with torch.no_grad():
         torch.testing.assert_close(team.critic.values(ids, mask, agent=agents), team.critic.values(ids, mask), atol=1e-5, rtol=0)
+
+
+def test_rows_are_picked_reproducibly_under_autograd():
+    """``select_rows`` gives each row its header's keys/values exactly, and under autograd sums the rows' gradients
+    into the header in a fixed order: two identical backward passes on two threads give bit-identical gradients
+    (an index's backward adds with atomic adds on CPU, in a varying order)."""
+    from transformers import DynamicCache
+
+    from marft.agents.headers import select_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(0)
+        keys = torch.randn(2, 4, 96, 32, requires_grad=True)  # (n headers, heads, header length, head dim)
+        values = torch.randn(2, 4, 96, 32, requires_grad=True)
+        rows = torch.randint(0, 2, (64,))
+        weights = torch.randn(64, 4, 96, 32)
+        grads = []
+        for _ in range(3):
+            cache = DynamicCache()
+            cache.update(keys * 1.0, values * 1.0, 0)
+            select_rows(cache, rows)
+            layer = cache.layers[0]
+            assert torch.equal(layer.keys, keys[rows]) and torch.equal(layer.values, values[rows])
+            ((layer.keys * weights).sum() + (layer.values * weights).sum()).backward()
+            grads.append((keys.grad.clone(), values.grad.clone()))
+            keys.grad = values.grad = None
+        assert all(torch.equal(g[0], grads[0][0]) and torch.equal(g[1], grads[0][1]) for g in grads)
+        torch.testing.assert_close(grads[0][0], torch.zeros_like(keys).index_add_(0, rows, weights))  # each header: its rows' sum
+    finally:
+        torch.set_num_threads(threads)
