@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from marft.agents.headers import position_ids_from_mask
 
 if TYPE_CHECKING:
     from marft.agents.headers import RoleHeaderCache
@@ -173,8 +175,6 @@ class DecodeLoop:
 
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
-        from marft.agents.headers import position_ids_from_mask
-
         s = self.settings
         model = self.headers.bank.model
         B, L = prompt_ids.shape[0], s.max_new_tokens
@@ -182,8 +182,6 @@ class DecodeLoop:
         if agent is not None:
             cache, ids, mask = self.headers.behind_headers([(agent, prompt_ids, prompt_mask)])
         if cache is None:
-            from transformers import DynamicCache
-
             cache = DynamicCache(config=model.config)
         cached = cache.get_seq_length()
         positions = position_ids_from_mask(mask)  # (B, W)

@@ -141,7 +141,8 @@ class RoleHeaderCache:
         ``(None, prompt_ids, prompt_mask)`` when nothing can be shared (no headers, prompts that are only their
         header, or not :attr:`sharable`).
         """
-        distinct = sorted(set(agents.tolist()))
+        distinct_agents, header_of_row = agents.unique(return_inverse=True)  # sorted agents; (B,) each row's index into them
+        distinct = distinct_agents.tolist()
         if not self.sharable or all(len(self.header_ids[a]) == 0 for a in distinct):
             return None, prompt_ids, prompt_mask
         B, device = len(agents), prompt_ids.device
@@ -155,7 +156,7 @@ class RoleHeaderCache:
         for rows, ids, mask in rests:
             rest_ids[rows, width - ids.shape[1]:] = ids
             rest_mask[rows, width - mask.shape[1]:] = mask
-        header_of_row = torch.as_tensor([distinct.index(a) for a in agents.tolist()], device=device)  # (B,) index into distinct
+        header_of_row = header_of_row.to(device)
         cache, header_ids, header_mask = self.run(distinct)
         select_rows(cache, header_of_row)
         ids = torch.cat([header_ids[header_of_row], rest_ids], dim=1)
