@@ -60,8 +60,10 @@ class ModelConfig:
     """Sampling temperature; the PPO log-probs are taken from the same tempered distribution."""
     chat_template: str = "auto"
     """auto: when the tokenizer has a chat template (instruct models), render each agent's prompt with it: system = the agent's role prompt, one user message = its private observation and the shared conversation followed by "Now it is <Role>'s turn.", the reply = the assistant turn, ended by the tokenizer's eos_token_id (check it is the template's end of turn, <|im_end|> for Qwen2.5-Instruct); a tokenizer without one (the embedded marft-tiny) gets the plain transcript. none: always the plain transcript (role prompt, private observation, conversation, cue "<Role>:")."""
-    generation_backend: str = "generate"
-    """What samples the replies: generate (transformers' model.generate, the reference) or decode_loop (marft's own sampling loop on the KV cache, without generate's logits processors and stopping criteria: on CPU the same ids and log-probs as generate for a seed; on the embedded model no faster, see Benchmarks)."""
+    generation_backend: str = "decode_loop"
+    """What samples the replies: decode_loop (marft's own sampling loop on the KV cache, without generate's logits processors and stopping criteria: on CPU the same ids and log-probs as generate for a seed, and faster on small models, see Benchmarks) or generate (transformers' model.generate, the reference and fallback)."""
+    merge_lora_in_rollout: bool = True
+    """In the rollout's forward passes without gradient (sampling each agent's replies, the critic's values), fold the adapter in use into temporary copies of the base weights: one matrix product per adapted layer instead of three; the base weights get their original tensors back, bit for bit, after each batch. Costs one copy of the adapted weights meanwhile; rollout log-probs and values equal the update's to float32 rounding. Float32 models only (in half precision the folded update would be rounded away, so there the rollout runs unmerged)."""
     top_k: int = 0
     """Sample only among the k most likely tokens (0: off). The PPO log-probs are those of the tempered distribution before truncation (as in TRL), so a token that leaves the top k during the update keeps a finite ratio (counted: counters/out_of_topk_tokens)."""
     trust_remote_code: bool = False
@@ -342,7 +344,8 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def _parse_bool(text: str) -> bool:
+def parse_bool(text: str) -> bool:
+    """A command-line boolean: 1/true/yes/on or 0/false/no/off (any case)."""
     if text.lower() in ("1", "true", "yes", "on"):
         return True
     if text.lower() in ("0", "false", "no", "off"):
@@ -358,7 +361,7 @@ def _flag_type(hint: Any):
         convert = _flag_type(inner)
         return lambda text: None if text.lower() == "none" else convert(text)
     if hint is bool:
-        return _parse_bool
+        return parse_bool
     return hint
 
 

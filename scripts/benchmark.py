@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from marft.config import CHOICES, AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig, field_docs
+from marft.config import CHOICES, AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig, field_docs, parse_bool
 
 QWEN25_05B_SHAPE = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -82,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
     p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
     p.add_argument("--generation_backend", default=ModelConfig.generation_backend, choices=list(CHOICES["generation_backend"]), help=field_docs(ModelConfig)["generation_backend"])
+    p.add_argument("--merge_lora_in_rollout", type=parse_bool, default=ModelConfig.merge_lora_in_rollout, help=field_docs(ModelConfig)["merge_lora_in_rollout"])
     p.add_argument("--chat_template", default=ModelConfig.chat_template, choices=list(CHOICES["chat_template"]), help=field_docs(ModelConfig)["chat_template"])
     p.add_argument("--credit_assignment", default="env", choices=list(CHOICES["credit_assignment"]), help=field_docs(AlgoConfig)["credit_assignment"])
     p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
@@ -147,6 +148,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             model_name_or_path=model_path(args), profile_path=args.profile_path,
             max_new_tokens=args.max_new_tokens, context_window=args.context_window,
             device=args.device, dtype=args.dtype, critic_mode=args.critic_mode, chat_template=args.chat_template, generation_backend=args.generation_backend,
+            merge_lora_in_rollout=args.merge_lora_in_rollout,
         ),
         env=EnvConfig(env_name=args.env_name, horizon=args.horizon, workflow=args.workflow, max_turns=args.max_turns),
         algo=AlgoConfig(

@@ -137,6 +137,7 @@ def test_decode_loop_samples_what_generate_samples(random_model_dir, temperature
     generate's (and to a scoring forward's), for agents with and without a role header, short and long histories."""
     from marft.agents.generation import DecodeLoop, TransformersGenerate
 
+    torch.manual_seed(0)  # the adapters below do not depend on the tests run before
     team = make_team(random_model_dir, temperature=temperature, top_k=top_k, context_window=72)
     team.prompts.header_ids[0] = []  # agent 0 as an anonymous role: no header to share
     team.headers.header_ids[0] = []
@@ -165,7 +166,7 @@ def test_decode_loop_samples_what_generate_samples(random_model_dir, temperature
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
         with torch.no_grad():
             scored = team.response_logprobs(adapter, prompt_ids, prompt_mask, got.response_ids, got.response_mask).logprobs
-        torch.testing.assert_close(got.logprobs, scored, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.logprobs, scored, atol=1e-5, rtol=1e-5)  # cached vs uncached forward: float32 rounding of log-probs ~ -10
         ended_early += int((got.response_mask.sum(1) < got.response_mask.shape[1]).sum())
     assert ended_early > 0  # some replies ended before the budget: the padding of finished rows is exercised
 
@@ -390,7 +391,8 @@ def test_frozen_headers_reuse_role_headers_and_forbid_training(random_model_dir)
     torch.manual_seed(3)
     with team.headers.frozen():
         frozen = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
-        assert sorted(team.headers.memo) == [("actor", (1,)), ("critic", (0, 1)), ("reasoner", (0,))]
+        # (adapter, adapter folded into the base weights, agents): the rollout runs merged (--merge_lora_in_rollout)
+        assert sorted(team.headers.memo) == [("actor", "actor", (1,)), ("critic", "critic", (0, 1)), ("reasoner", "reasoner", (0,))]
         with pytest.raises(RuntimeError, match="frozen"):
             team.set_active(team.agent_adapters[0], trainable=True)
     assert team.headers.memo is None
@@ -436,3 +438,80 @@ def test_one_base_model_whatever_the_team_size(random_model_dir):
     assert adapters4 * 3 == adapters2 * 5  # 2 agents + critic = 3 adapters; 4 agents + critic = 5
     assert adapters4_shared * 3 == adapters2 * 2  # one shared adapter + critic
     assert per_agent > 0
+
+
+def test_sampling_with_the_adapter_folded_into_the_base_weights(random_model_dir):
+    """``--merge_lora_in_rollout``: inside ``bank.merged(adapter)`` the forward equals the unmerged LoRA forward
+    (float32 rounding), replies sampled merged are those sampled unmerged for a seed, with the same log-probs, and on
+    exit every base weight is the very tensor it was (bit for bit) with the LoRA branches back on."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir, max_new_tokens=8)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    base_before = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" not in n}
+    ids, mask = team.encode_prompts(1, HISTORIES, [[("Reasoner", "hi")], [], []])
+    for agent, adapter in enumerate(team.agent_adapters):
+        team.bank.route(adapter)
+        with torch.no_grad():
+            unmerged = team.model(input_ids=ids, attention_mask=mask).logits
+            with team.bank.merged(adapter):
+                assert team.bank.merged_adapter == adapter
+                merged = team.model(input_ids=ids, attention_mask=mask).logits
+                with pytest.raises(RuntimeError):
+                    with team.bank.merged(adapter):
+                        pass
+            team.model.double()  # the same function in float64 (float32 -> float64 -> float32 is exact)
+            exact = team.model(input_ids=ids, attention_mask=mask).logits
+            team.model.float()
+        assert not torch.equal(merged, unmerged)  # a different computation ...
+        merged_error, unmerged_error = (merged.double() - exact).abs().max(), (unmerged.double() - exact).abs().max()
+        assert merged_error < 1e-4 and merged_error <= 5 * unmerged_error  # ... of the same function, to float32 rounding
+        with torch.no_grad():
+            with team.bank.reference_policy():
+                base_logits = team.model(input_ids=ids, attention_mask=mask).logits
+        assert (base_logits - unmerged).abs().max() > 1e-2  # the adapters matter here
+    for n, p in team.model.named_parameters():
+        if n in base_before:
+            assert torch.equal(p, base_before[n]), n  # restored bit for bit
+    assert team.bank.merged_adapter is None and not any(layer.disable_adapters for layer in team.bank.lora_layers)
+
+    off = make_team(random_model_dir, max_new_tokens=8, merge_lora_in_rollout=False)
+    off.model.load_state_dict(team.model.state_dict())
+    for agent, adapter in enumerate(team.agent_adapters):
+        ids, mask = team.encode_prompts(agent, HISTORIES * 2, [[]] * 6)
+        torch.manual_seed(5)
+        got = team.sample(adapter, ids, mask, agent)
+        torch.manual_seed(5)
+        want = off.sample(adapter, ids, mask, agent)
+        assert torch.equal(got.response_ids, want.response_ids)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+    merged_outs, plain_outs = play_step_with_values(team), play_step_with_values(off)
+    for got, want in zip(merged_outs, plain_outs):  # a whole team step: the same replies, log-probs and critic values
+        assert torch.equal(got.response_ids, want.response_ids)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)  # values ~3: float32 rounding
+        torch.testing.assert_close(got.token_values, want.token_values, atol=1e-5, rtol=1e-4)
+        assert got.values.abs().max() > 1e-3
+
+
+def play_step_with_values(team):
+    with torch.no_grad():
+        for head in team.critic.value_heads.values():
+            torch.manual_seed(2)
+            head.weight.normal_()  # values of a real size
+    torch.manual_seed(6)
+    return team.play_step(HISTORIES, token_values=True)
+
+
+def test_half_precision_adapters_are_not_merged(random_model_dir):
+    """In bfloat16, W + ΔW would round the small LoRA update away: the team samples unmerged there."""
+    team = make_team(random_model_dir, dtype="bfloat16")
+    assert not team.bank.can_merge(team.agent_adapters[0])
+    with pytest.raises(ValueError):
+        with team.bank.merged(team.agent_adapters[0]):
+            pass
+    ids, mask = team.encode_prompts(0, HISTORIES, [[]] * 3)
+    assert team.sample(team.agent_adapters[0], ids, mask, 0).response_ids.shape == (3, team.config.max_new_tokens)

@@ -8,11 +8,13 @@ is the team's business; the bank only knows names.
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Sequence
 
+import torch
 import torch.nn as nn
 from peft import LoraConfig, get_peft_model
+from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 if TYPE_CHECKING:
@@ -65,6 +67,8 @@ class AdapterBank:
             self.model.add_adapter(name, lora)
         self.lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         self.lora_dropouts = [m for layer in self.lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
+        self.merged_adapter: str | None = None
+        """Inside :meth:`merged`: the adapter whose LoRA product the base weights carry; None outside."""
         self.checkpointed_layers = []
         if config.gradient_checkpointing:
             from transformers.modeling_layers import GradientCheckpointingLayer
@@ -117,6 +121,48 @@ class AdapterBank:
         finally:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(trainable[name])
+
+    def can_merge(self, adapter: str) -> bool:
+        """Whether :meth:`merged` can fold ``adapter`` into the base weights: every LoRA layer is a plain
+        (no DoRA or other variant) linear layer in float32 (in half precision W + ΔW rounds the small update away)."""
+        return all(
+            isinstance(layer, LoraLinear) and adapter not in layer.lora_variant
+            and layer.get_base_layer().weight.dtype == torch.float32
+            for layer in self.lora_layers if adapter in layer.lora_A
+        )
+
+    def merged_if(self, adapter: str, enabled: bool):
+        """:meth:`merged` when ``enabled`` and :meth:`can_merge`, else a context that changes nothing."""
+        return self.merged(adapter) if enabled and self.can_merge(adapter) else nullcontext()
+
+    @contextmanager
+    def merged(self, adapter: str):
+        """Inside, forward passes run ``adapter`` folded into the base weights: each adapted linear layer
+        computes ``x (W + s·B·A)ᵀ``, one matrix product instead of three (``x Wᵀ + s·(x Aᵀ) Bᵀ``), with its LoRA
+        branch switched off. No gradient flows inside (sampling only).
+
+        The sums are temporary tensors (memory: one more copy of the adapted weights while inside); on exit each
+        base weight gets its original tensor back, bit for bit (peft's ``merge``/``unmerge`` would add and subtract
+        ΔW, which does not restore W exactly). Outputs equal the unmerged forward's to float32 rounding (~1e-6).
+        Raises when :meth:`can_merge` is false."""
+        if not self.can_merge(adapter):
+            raise ValueError(f"adapter {adapter!r} cannot be merged (not plain float32 LoRA on linear layers)")
+        if self.merged_adapter is not None:
+            raise RuntimeError(f"adapter {self.merged_adapter!r} is merged already")
+        layers = [layer for layer in self.lora_layers if adapter in layer.lora_A]
+        originals = [(layer.get_base_layer().weight, layer.get_base_layer().weight.data, layer._disable_adapters) for layer in layers]
+        try:
+            with torch.no_grad():
+                for layer, (weight, data, _) in zip(layers, originals):
+                    weight.data = data + layer.get_delta_weight(adapter)  # (out, in), a new tensor
+                    layer._disable_adapters = True  # the layer runs its base layer alone
+            self.merged_adapter = adapter
+            yield
+        finally:
+            for layer, (weight, data, disabled) in zip(layers, originals):
+                weight.data = data
+                layer._disable_adapters = disabled
+            self.merged_adapter = None
 
     @contextmanager
     def lora_dropout_active(self):

@@ -34,11 +34,14 @@ class Critic(nn.Module):
         agent_critics: per agent, the name of the critic adapter that values its turns.
         hidden_size: the base model's hidden size.
         device: where the value heads live (float32).
+        merge_lora_in_rollout: :meth:`value_batches` (the rollout's values) runs each critic folded into the base
+            weights (``AdapterBank.merged``, float32 only).
     """
 
-    def __init__(self, headers: RoleHeaderCache, agent_critics: Sequence[str], hidden_size: int, device):
+    def __init__(self, headers: RoleHeaderCache, agent_critics: Sequence[str], hidden_size: int, device, merge_lora_in_rollout: bool = False):
         super().__init__()
         self.headers = headers
+        self.merge_lora_in_rollout = merge_lora_in_rollout
         self.agent_critics = list(agent_critics)
         """Per agent, the critic adapter that values its turns."""
         self.adapters = list(dict.fromkeys(self.agent_critics))
@@ -149,12 +152,13 @@ class Critic(nn.Module):
             if not mine:
                 continue
             self.headers.bank.route(critic)
-            cache, ids, mask = self.headers.behind_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in mine])  # (ΣB, Hmax + S)
-            L = mine[0][1].response_ids.shape[1] if token_values else 0
-            if token_values:
-                ids = torch.cat([ids, torch.cat([t.response_ids for _, t in mine])], dim=1)  # (ΣB, Hmax + S + L)
-                mask = torch.cat([mask, torch.cat([t.response_mask for _, t in mine])], dim=1)
-            hidden = self.headers.decoder_states(cache, ids, mask)  # (ΣB, S + L, H)
+            with self.headers.bank.merged_if(critic, self.merge_lora_in_rollout):
+                cache, ids, mask = self.headers.behind_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in mine])  # (ΣB, Hmax + S)
+                L = mine[0][1].response_ids.shape[1] if token_values else 0
+                if token_values:
+                    ids = torch.cat([ids, torch.cat([t.response_ids for _, t in mine])], dim=1)  # (ΣB, Hmax + S + L)
+                    mask = torch.cat([mask, torch.cat([t.response_mask for _, t in mine])], dim=1)
+                hidden = self.headers.decoder_states(cache, ids, mask)  # (ΣB, S + L, H)
             values = self.value_heads[critic](hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (ΣB, L + 1): before each reply token, then after
             for (_, turn), rows in zip(mine, values.split([len(t.prompt_ids) for _, t in mine])):
                 turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)

@@ -2,9 +2,10 @@
 
 A backend takes left-padded prompt ids and returns the sampled reply ids, the log-probs of the sampled
 tokens under the sampling distribution, and the settings it sampled with (:class:`GenerationBackend`).
-The forward pass goes through whichever adapter the team routed to. Today's backend is transformers'
-``generate`` behind the shared role-header cache (:class:`TransformersGenerate`); another (a lean
-decode loop, an inference server) only has to satisfy the same small interface.
+The forward pass goes through whichever adapter the team routed to. The default backend is marft's own
+sampling loop on the KV cache (:class:`DecodeLoop`); transformers' ``generate`` behind the shared role-header
+cache (:class:`TransformersGenerate`) is the reference and fallback; another (an inference server) only has
+to satisfy the same small interface.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ class DecodeLoop:
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
         s = self.settings
-        model = self.headers.bank.model
+        model = self.headers.bank.model.get_base_model()  # the LoRA layers are in it; skips peft's wrapper forward per step
         B, L = prompt_ids.shape[0], s.max_new_tokens
         cache, ids, mask = None, prompt_ids, prompt_mask
         if agent is not None:
@@ -190,8 +191,11 @@ class DecodeLoop:
         response_ids = torch.full((B, L), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
         logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
         unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
+        W = mask.shape[1]
+        full_mask = torch.cat([mask, mask.new_ones((B, L))], dim=1)  # (B, W + L): step t attends to the first W + t columns
         generated = 0
         for t in range(L):
+            mask = full_mask[:, : W + t]
             logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions, past_key_values=cache,
                            use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
             scores = s.scoring_logits(logits)  # (B, V) tempered, as generate's temperature warper (x / 1.0 is x)
@@ -210,14 +214,14 @@ class DecodeLoop:
                 break
             step_ids, step_positions = token[:, None], next_position
             next_position = next_position + 1
-            mask = torch.cat([mask, mask.new_ones((B, 1))], dim=1)
         response_mask = reply_mask(response_ids, s.eos_id, generated)
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
 
 
-GENERATION_BACKENDS = {"generate": TransformersGenerate, "decode_loop": DecodeLoop}
-"""``--generation_backend`` → the backend class (the one table of backends): ``generate``, transformers' ``model.generate``
-(the reference); ``decode_loop``, marft's own sampling loop (the same ids and log-probs as generate for a seed on CPU)."""
+GENERATION_BACKENDS = {"decode_loop": DecodeLoop, "generate": TransformersGenerate}
+"""``--generation_backend`` → the backend class (the one table of backends): ``decode_loop``, marft's own sampling loop
+(the default; the same ids and log-probs as generate for a seed on CPU); ``generate``, transformers' ``model.generate``
+(the reference and fallback)."""
 
 
 def make_backend(name: str, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool) -> GenerationBackend:

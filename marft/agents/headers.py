@@ -54,7 +54,7 @@ class RoleHeaderCache:
         self.pad_id = pad_id
         self.device = device
         self.memo: dict | None = None
-        """Inside :meth:`frozen`: role-header keys/values per (adapter, agents); None outside."""
+        """Inside :meth:`frozen`: role-header keys/values per (adapter, merged adapter, agents); None outside."""
 
     @contextmanager
     def frozen(self):
@@ -77,7 +77,7 @@ class RoleHeaderCache:
         :meth:`frozen` the result is computed once per adapter and agents.
         """
         agents = tuple(agents)
-        memo_key = (self.bank.active, agents)
+        memo_key = (self.bank.active, self.bank.merged_adapter, agents)  # merged weights give (within rounding) other keys/values
         if self.memo is not None and memo_key in self.memo:
             cache, header_ids, header_mask = self.memo[memo_key]
             return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given

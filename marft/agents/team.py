@@ -116,7 +116,7 @@ class AgentTeam(nn.Module):
             config.generation_backend, self.headers, self.sampling, logprobs_from_generate=next(base_model.parameters()).dtype == torch.float32
         )
         hidden = base_model.config.get_text_config().hidden_size
-        self.critic = Critic(self.headers, agent_critics, hidden, self._device) if with_critic else None
+        self.critic = Critic(self.headers, agent_critics, hidden, self._device, config.merge_lora_in_rollout) if with_critic else None
         self.set_active(None)
 
     # ------------------------------------------------------------------ adapters
@@ -232,9 +232,11 @@ class AgentTeam(nn.Module):
     @torch.no_grad()
     def sample(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
         """Replies sampled by the generation backend through ``adapter`` (``agent``: the prompts are that agent's,
-        so a backend may run its role header once for the batch)."""
+        so a backend may run its role header once for the batch); with ``--merge_lora_in_rollout`` (float32)
+        the adapter is folded into the base weights meanwhile (:meth:`AdapterBank.merged`)."""
         self.bank.route(adapter)
-        return self.backend.sample(prompt_ids, prompt_mask, agent)
+        with self.bank.merged_if(adapter, self.config.merge_lora_in_rollout):
+            return self.backend.sample(prompt_ids, prompt_mask, agent)
 
     @torch.no_grad()
     def act(
