@@ -122,13 +122,16 @@ class AdapterBank:
             for name, p in self.model.named_parameters():
                 p.requires_grad_(trainable[name])
 
+    def layers_of(self, adapter: str) -> list[BaseTunerLayer]:
+        """The LoRA layers that carry ``adapter``."""
+        return [layer for layer in self.lora_layers if adapter in layer.lora_A]
+
     def can_merge(self, adapter: str) -> bool:
         """Whether :meth:`merged` can fold ``adapter`` into the base weights: every LoRA layer is a plain
         (no DoRA or other variant) linear layer in float32 (in half precision W + ΔW rounds the small update away)."""
         return all(
-            isinstance(layer, LoraLinear) and adapter not in layer.lora_variant
-            and layer.get_base_layer().weight.dtype == torch.float32
-            for layer in self.lora_layers if adapter in layer.lora_A
+            isinstance(layer, LoraLinear) and adapter not in layer.lora_variant and layer.get_base_layer().weight.dtype == torch.float32
+            for layer in self.layers_of(adapter)
         )
 
     def merged_if(self, adapter: str, enabled: bool):
@@ -149,13 +152,13 @@ class AdapterBank:
             raise ValueError(f"adapter {adapter!r} cannot be merged (not plain float32 LoRA on linear layers)")
         if self.merged_adapter is not None:
             raise RuntimeError(f"adapter {self.merged_adapter!r} is merged already")
-        layers = [layer for layer in self.lora_layers if adapter in layer.lora_A]
+        layers = self.layers_of(adapter)
         originals = [(layer.get_base_layer().weight, layer.get_base_layer().weight.data, layer._disable_adapters) for layer in layers]
         try:
             with torch.no_grad():
                 for layer, (weight, data, _) in zip(layers, originals):
                     weight.data = data + layer.get_delta_weight(adapter)  # (out, in), a new tensor
-                    layer._disable_adapters = True  # the layer runs its base layer alone
+                    layer._disable_adapters = True  # the layer runs its base layer alone (peft's enable_adapters(False) would also reset requires_grad)
             self.merged_adapter = adapter
             yield
         finally:

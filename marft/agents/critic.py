@@ -152,9 +152,9 @@ class Critic(nn.Module):
             if not mine:
                 continue
             self.headers.bank.route(critic)
-            with self.headers.bank.merged_if(critic, self.merge_lora_in_rollout):
+            L = mine[0][1].response_ids.shape[1] if token_values else 0
+            with self.headers.bank.merged_if(critic, self.merge_lora_in_rollout):  # the header and prompt forwards
                 cache, ids, mask = self.headers.behind_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in mine])  # (ΣB, Hmax + S)
-                L = mine[0][1].response_ids.shape[1] if token_values else 0
                 if token_values:
                     ids = torch.cat([ids, torch.cat([t.response_ids for _, t in mine])], dim=1)  # (ΣB, Hmax + S + L)
                     mask = torch.cat([mask, torch.cat([t.response_mask for _, t in mine])], dim=1)
