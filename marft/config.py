@@ -64,6 +64,8 @@ class ModelConfig:
     """What samples the replies: decode_loop (marft's own sampling loop on the KV cache, without generate's logits processors and stopping criteria: on CPU the same ids and log-probs as generate for a seed, and faster on small models, see Benchmarks) or generate (transformers' model.generate, the reference and fallback)."""
     merge_lora_in_rollout: bool = True
     """In the rollout's forward passes without gradient (sampling each agent's replies, the critic's values), fold the adapter in use into temporary copies of the base weights: one matrix product per adapted layer instead of three; the base weights get their original tensors back, bit for bit, after each batch. Costs one copy of the adapted weights meanwhile; rollout log-probs and values equal the update's to float32 rounding. Float32 models only (in half precision the folded update would be rounded away, so there the rollout runs unmerged)."""
+    unpadded_forward: bool = True
+    """Run the update's forwards (and the critic's values) with each layer's matrix products on the real tokens only: pads are dropped after the embedding and put back only around attention, which needs rows. Same results to float32 rounding; Llama-family models (Qwen2/2.5/3, Llama, Mistral without sliding windows) only, others (and runs with --gradient_checkpointing) use transformers' padded forward."""
     top_k: int = 0
     """Sample only among the k most likely tokens (0: off). The PPO log-probs are those of the tempered distribution before truncation (as in TRL), so a token that leaves the top k during the update keeps a finite ratio (counted: counters/out_of_topk_tokens)."""
     trust_remote_code: bool = False

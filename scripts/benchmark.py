@@ -83,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
     p.add_argument("--generation_backend", default=ModelConfig.generation_backend, choices=list(CHOICES["generation_backend"]), help=field_docs(ModelConfig)["generation_backend"])
     p.add_argument("--merge_lora_in_rollout", type=parse_bool, default=ModelConfig.merge_lora_in_rollout, help=field_docs(ModelConfig)["merge_lora_in_rollout"])
+    p.add_argument("--unpadded_forward", type=parse_bool, default=ModelConfig.unpadded_forward, help=field_docs(ModelConfig)["unpadded_forward"])
     p.add_argument("--chat_template", default=ModelConfig.chat_template, choices=list(CHOICES["chat_template"]), help=field_docs(ModelConfig)["chat_template"])
     p.add_argument("--credit_assignment", default="env", choices=list(CHOICES["credit_assignment"]), help=field_docs(AlgoConfig)["credit_assignment"])
     p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
@@ -148,7 +149,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             model_name_or_path=model_path(args), profile_path=args.profile_path,
             max_new_tokens=args.max_new_tokens, context_window=args.context_window,
             device=args.device, dtype=args.dtype, critic_mode=args.critic_mode, chat_template=args.chat_template, generation_backend=args.generation_backend,
-            merge_lora_in_rollout=args.merge_lora_in_rollout,
+            merge_lora_in_rollout=args.merge_lora_in_rollout, unpadded_forward=args.unpadded_forward,
         ),
         env=EnvConfig(env_name=args.env_name, horizon=args.horizon, workflow=args.workflow, max_turns=args.max_turns),
         algo=AlgoConfig(

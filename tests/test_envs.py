@@ -307,3 +307,17 @@ def test_episode_state_is_frozen():
     state = EpisodeState(problem="p", answer="1", history="Problem: p\n")
     with pytest.raises(AttributeError):
         state.step = 3
+
+
+def test_vector_env_spaces_have_gymnasiums_batched_layout():
+    """The batched spaces are what gymnasium's ``batch_space`` builds (a Tuple of n observations; per agent a Tuple
+    of n actions) and accept a batch of real text, without ``batch_space``'s deep copy per env."""
+    from gymnasium.vector.utils import batch_space
+
+    vec = TextVectorEnv([lambda: MathEnv("arithmetic")] * 3)
+    single = vec.single_action_space
+    assert vec.observation_space == batch_space(vec.single_observation_space, 3)
+    assert vec.action_space == batch_space(single, 3)
+    obs, _ = vec.reset(seed=0)
+    assert vec.observation_space.contains(tuple(obs))
+    assert vec.action_space.contains(tuple(("12",) * 3 for _ in single.spaces))

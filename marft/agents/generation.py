@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.agents.headers import position_ids_from_mask
+from marft.agents.unpadded import StaticKVDecoder, fast_layer, unpadded_decoder_states
 
 if TYPE_CHECKING:
     from marft.agents.headers import RoleHeaderCache
@@ -166,6 +167,10 @@ class DecodeLoop:
     samples the same ids as :class:`TransformersGenerate` for the same seed (a test checks it); the log-probs come
     from the very logits sampled from. Stops when every row has ended.
 
+    With ``--unpadded_forward`` on a Llama-family model the prompt runs on its real tokens only and each step on a
+    preallocated KV cache (:class:`~marft.agents.unpadded.StaticKVDecoder`), without transformers' per-step cache
+    concatenation and mask building; otherwise each step is a forward of the transformers model on its cache.
+
     Args: as :class:`TransformersGenerate` (without ``logprobs_from_generate`` the team scores the replies with a forward).
     """
 
@@ -173,6 +178,19 @@ class DecodeLoop:
         self.headers = headers
         self.settings = settings
         self.logprobs_from_generate = logprobs_from_generate
+
+    def _static_decoder(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
+        """``(StaticKVDecoder, lm_head)`` after running the prompt ``step_ids (B, S)`` behind ``cache`` on its real tokens,
+        or None where the padded transformers forward must do (not asked for, unsupported model, or a row whose
+        prompt lies wholly in the cache: its last state is not among the new ones)."""
+        if not self.headers.unpadded_forward or not (mask[:, mask.shape[1] - step_ids.shape[1]:] == 1).any(1).all():
+            return None
+        decoder = model.get_decoder()
+        hidden, real, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
+                                                            keep_keys_values=True)  # (N, H), (B, S)
+        static = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens)
+        static.last_prompt_states = hidden[real.sum(1).cumsum(0) - 1]  # (B, H) each row's last real token
+        return static, fast_layer(model.get_output_embeddings())
 
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
@@ -192,12 +210,22 @@ class DecodeLoop:
         logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
         unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
         W = mask.shape[1]
-        full_mask = torch.cat([mask, mask.new_ones((B, L))], dim=1)  # (B, W + L): step t attends to the first W + t columns
+        static = self._static_decoder(model, cache, step_ids, mask, step_positions)
+        if static is not None:  # the prompt ran on its real tokens; the steps run on a preallocated cache
+            decoder, lm_head = static
+            next_logits = lambda: lm_head(decoder.step(step_ids[:, 0], step_positions[:, 0])).float()  # (B, V)
+            logits = lm_head(decoder.last_prompt_states).float()  # (B, V)
+        else:
+            full_mask = torch.cat([mask, mask.new_ones((B, L))], dim=1)  # (B, W + L): step t attends to the first W + t columns
+
+            def next_logits():
+                return model(input_ids=step_ids, attention_mask=full_mask[:, : W + t], position_ids=step_positions, past_key_values=cache,
+                             use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
+
         generated = 0
         for t in range(L):
-            mask = full_mask[:, : W + t]
-            logits = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
+            if t > 0 or static is None:
+                logits = next_logits()
             scores = s.scoring_logits(logits)  # (B, V) tempered, as generate's temperature warper (x / 1.0 is x)
             sampled_from = scores
             if s.top_k > 0:

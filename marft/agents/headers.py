@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from marft.agents.adapters import AdapterBank
 from marft.agents.prompts import left_pad
+from marft.agents.unpadded import supports_unpadded, unpadded_decoder_states
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -46,13 +47,17 @@ class RoleHeaderCache:
         header_ids: per agent, its role header's ids (``PromptEncoder.header_ids``; empty for anonymous roles).
         pad_id: the padding id.
         device: where the model runs.
+        unpadded_forward: :meth:`decoder_states` runs the linear layers on real tokens only
+            (:mod:`marft.agents.unpadded`) where the model supports it.
     """
 
-    def __init__(self, bank: AdapterBank, header_ids: Sequence[list[int]], pad_id: int, device):
+    def __init__(self, bank: AdapterBank, header_ids: Sequence[list[int]], pad_id: int, device, unpadded_forward: bool = False):
         self.bank = bank
         self.header_ids = list(header_ids)
         self.pad_id = pad_id
         self.device = device
+        self.unpadded_forward = unpadded_forward and supports_unpadded(bank.model.get_base_model())
+        """Whether :meth:`decoder_states` skips the pads in the linear layers (asked for, and the model supports it)."""
         self.memo: dict | None = None
         """Inside :meth:`frozen`: role-header keys/values per (adapter, merged adapter, agents); None outside."""
 
@@ -165,10 +170,19 @@ class RoleHeaderCache:
 
     def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states of the active adapter's decoder over ``ids (B, S)``, whose first columns
-        ``cache`` (or None) already holds. → (B, S - cached, H)."""
+        ``cache`` (or None) already holds. → (B, S - cached, H).
+
+        With :attr:`unpadded_forward` (and not under gradient checkpointing, whose layer wrappers it would
+        bypass) the layers' matrix products run on the real tokens only; the states of pads are then zero
+        (transformers' forward gives them values no caller reads)."""
         cached = 0 if cache is None else cache.get_seq_length()
         decoder = self.bank.model.get_base_model().get_decoder()
+        positions = position_ids_from_mask(mask)[:, cached:]  # (B, S - cached)
+        ids = ids[:, cached:]
+        if self.unpadded_forward and self.sharable:
+            hidden, real = unpadded_decoder_states(decoder, cache, ids, mask, positions)  # (N, H), (B, S - cached)
+            flat = real.flatten().nonzero().squeeze(1)  # (N,)
+            return hidden.new_zeros(real.numel(), hidden.shape[-1]).index_copy(0, flat, hidden).view(*real.shape, -1)
         return decoder(
-            input_ids=ids[:, cached:], attention_mask=mask, position_ids=position_ids_from_mask(mask)[:, cached:],
-            past_key_values=cache, use_cache=cache is not None,
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
         ).last_hidden_state

@@ -110,7 +110,7 @@ class AgentTeam(nn.Module):
         self.model = self.bank.model  # registered here, so the team's state_dict holds the adapters
         self._device = base_model.device
         self.prompts = PromptEncoder(tokenizer, self.profile, config.context_window - config.max_new_tokens, config.chat_template)
-        self.headers = RoleHeaderCache(self.bank, self.prompts.header_ids, self.pad_id, self._device)
+        self.headers = RoleHeaderCache(self.bank, self.prompts.header_ids, self.pad_id, self._device, config.unpadded_forward)
         self.sampling = SamplingSettings(config.temperature, config.top_k, config.max_new_tokens, self.eos_id, self.pad_id)
         self.backend: GenerationBackend = make_backend(
             config.generation_backend, self.headers, self.sampling, logprobs_from_generate=next(base_model.parameters()).dtype == torch.float32
@@ -190,7 +190,8 @@ class AgentTeam(nn.Module):
         ``entropy_grad``: False computes the entropy outside the autograd graph (when it is only logged).
         Returns :class:`ReplyScores`: ``logprobs (B, L)`` and ``entropy (B, L)`` (or None) of the scoring
         distribution (``SamplingSettings.scoring_logits``), zero where the reply is padding, with ``--top_k``
-        the count of reply tokens outside the top k, and how many positions the forward ran and were padding.
+        the count of reply tokens outside the top k, and how many positions the forward's matrix products ran
+        and were padding (with ``--unpadded_forward`` only the role headers' padding is left).
         Only the L + 1 last positions' logits are materialised.
         """
         self.bank.route(adapter)
@@ -201,20 +202,26 @@ class AgentTeam(nn.Module):
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L), or behind the cached headers
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         cached = 0 if cache is None else cache.get_seq_length()
-        positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
+        unpadded = self.headers.unpadded_forward and self.headers.sharable  # the matrix products skip the rows' pads
+        row_padding = int((mask[:, cached:] == 0).sum())
+        positions, padding = mask[:, cached:].numel() - (row_padding if unpadded else 0), 0 if unpadded else row_padding
         if cache is not None:  # each distinct header ran once, left-padded to the longest
             headers = [self.prompts.header_ids[a] for a in set(agents.tolist())]
             positions += cached * len(headers)
             padding += sum(cached - len(h) for h in headers)
-        out = self.model(
-            input_ids=input_ids[:, cached:],
-            attention_mask=mask,
-            position_ids=position_ids_from_mask(mask)[:, cached:],
-            past_key_values=cache,
-            logits_to_keep=L + 1,
-            use_cache=cache is not None,
-        )
-        logits = self.sampling.scoring_logits(out.logits[:, :-1])  # (B, L, V): the position before reply token t predicts it
+        if unpadded:
+            hidden = self.headers.decoder_states(cache, input_ids, mask)[:, -L - 1 :]  # (B, L + 1, H)
+            out_logits = self.model.get_output_embeddings()(hidden)  # (B, L + 1, V)
+        else:
+            out_logits = self.model(
+                input_ids=input_ids[:, cached:],
+                attention_mask=mask,
+                position_ids=position_ids_from_mask(mask)[:, cached:],
+                past_key_values=cache,
+                logits_to_keep=L + 1,
+                use_cache=cache is not None,
+            ).logits
+        logits = self.sampling.scoring_logits(out_logits[:, :-1])  # (B, L, V): the position before reply token t predicts it
         logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
         taken = logp_all.gather(-1, response_ids.unsqueeze(-1))  # (B, L, 1)
         logprobs = taken.squeeze(-1) * response_mask  # (B, L)

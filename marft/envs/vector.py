@@ -21,9 +21,18 @@ from typing import Callable, Sequence
 import gymnasium as gym
 import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
-from gymnasium.vector.utils import batch_space
+from gymnasium import spaces
 
 from marft.envs.base import PRIVATE_KEY, MultiAgentTextEnv
+
+
+def batch_text_space(space: spaces.Space, n: int) -> spaces.Space:
+    """gymnasium's ``batch_space`` layout for Text spaces and Tuples of them (a Tuple of per-space Tuples of ``n``),
+    with every env's entry the one space object: ``batch_space`` deep-copies a Text space per env (its charset
+    makes that about a second per copy), and these spaces are only described, never sampled."""
+    if isinstance(space, spaces.Tuple):
+        return spaces.Tuple([batch_text_space(sub, n) for sub in space.spaces])
+    return spaces.Tuple([space] * n)
 
 
 class TextVectorEnv(VectorEnv):
@@ -47,8 +56,8 @@ class TextVectorEnv(VectorEnv):
                 raise ValueError(f"all envs need the same roles; got {env.unwrapped.roles} and {self.roles}")
         self.single_observation_space = self.envs[0].observation_space
         self.single_action_space = self.envs[0].action_space
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
-        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.observation_space = batch_text_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_text_space(self.single_action_space, self.num_envs)
         self.private_observations: list[tuple[str, ...]] = [("",) * self.n_agents] * self.num_envs
         """``(num_envs, n_agents)`` what each agent alone sees in each env's current state (from the last infos)."""
 

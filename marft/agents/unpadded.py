@@ -1,0 +1,190 @@
+"""The decoder forward on real tokens only: every layer's linear maps, norms and MLP run on the (N, H) real
+tokens of a padded batch, and only attention sees the padded (B, S) layout.
+
+A batch of prompts and replies of different lengths is padded to the longest row; transformers' forward pays
+for every pad in every matrix product. Here the pads are dropped once after the embedding and put back (as
+zeros) only around each layer's attention, which needs rows; the matrix products, the bulk of the work, cost
+what the real tokens cost. The modules themselves are called (the LoRA layers with their active adapter and
+dropout, the norms, the MLP), so the result equals the padded forward's to float32 rounding, gradients
+included (``tests/test_unpadded.py``).
+
+Supported: decoder-only models of the Llama family whose layers read ``input_layernorm → self_attn (q/k/v/o
+projections, rotary positions, optional q/k norms) → post_attention_layernorm → mlp`` (Qwen2, Qwen2.5, Qwen3,
+Llama, Mistral without sliding windows), full attention only. :func:`supports_unpadded` says whether a model is
+one; others run transformers' forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+"""``config.model_type`` values whose decoder layers have the layout this forward reproduces."""
+
+
+def supports_unpadded(model: nn.Module) -> bool:
+    """Whether :func:`unpadded_decoder_states` can run ``model``'s decoder (a ``*ForCausalLM`` or its decoder)."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ["full_attention"]):
+        return False  # sliding-window layers
+    if getattr(config, "model_type", None) == "mistral" and getattr(config, "sliding_window", None):
+        return False
+    if getattr(config, "attention_dropout", 0.0):
+        return False
+    return getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager", None)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def unpadded_decoder_states(
+    decoder: nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep_keys_values: bool = False,
+):
+    """The decoder's last hidden states of the real tokens of ``ids``.
+
+    Args:
+        decoder: the base model's decoder (``model.get_decoder()``; its modules carry the active adapter).
+        cache: a transformers cache holding C columns of keys/values every row attends to first (shared role
+            headers, ``RoleHeaderCache``), or None. It is read, not extended.
+        ids: ``(B, S)`` the columns after the cache.
+        mask: ``(B, C + S)`` 1 on real tokens, cache columns included.
+        positions: ``(B, S)`` position ids of the S columns.
+        keep_keys_values: also return every layer's keys and values (to decode from, :class:`StaticKVDecoder`).
+    Returns:
+        ``(hidden (N, H), real (B, S) bool)``: the final-norm hidden states of the N real tokens in row-major order
+        (``hidden[k]`` is the k-th True of ``real``); with ``keep_keys_values`` a third item, per layer
+        ``(keys, values)`` of shape ``(B, kv, C + S, d)`` (zeros at pads).
+    """
+    config = decoder.config
+    B, S = ids.shape
+    C = 0 if cache is None else cache.get_seq_length()
+    real = mask[:, C:].bool()  # (B, S)
+    flat = real.flatten().nonzero().squeeze(1)  # (N,) indices into B·S
+    hidden = decoder.embed_tokens(ids.flatten()[flat])  # (N, H)
+    cos, sin = decoder.rotary_emb(hidden, positions.flatten()[flat][None])  # (1, N, d) each
+    cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, d): broadcast over heads
+
+    keys_real = mask.bool()[:, None, None, :]  # (B, 1, 1, C + S)
+    causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()  # (S, S)
+    allowed = keys_real & torch.cat([causal.new_ones(S, C), causal], dim=1)[None, None]  # (B, 1, S, C + S)
+    own = torch.cat([causal.new_zeros(S, C), torch.eye(S, dtype=torch.bool, device=ids.device)], dim=1)  # (S, C + S)
+    allowed = allowed | own[None, None]  # a pad query sees its own (zero) key: no empty softmax row
+
+    n_heads, n_kv, head_dim = head_counts(config)
+    kept = []
+    for index, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)  # (N, H)
+        q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
+        k = attn.k_proj(x).view(-1, n_kv, head_dim)  # (N, kv, d)
+        v = attn.v_proj(x).view(-1, n_kv, head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotary positions
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # (N, h, d) → (B, h, S, d), zeros at pads
+            padded = t.new_zeros(B * S, *t.shape[1:]).index_copy(0, flat, t)
+            return padded.view(B, S, *t.shape[1:]).transpose(1, 2)
+
+        q_rows, k_rows, v_rows = rows(q), rows(k), rows(v)
+        if cache is not None:
+            k_rows = torch.cat([cache.layers[index].keys, k_rows], dim=2)  # (B, kv, C + S, d)
+            v_rows = torch.cat([cache.layers[index].values, v_rows], dim=2)
+        if keep_keys_values:
+            kept.append((k_rows, v_rows))
+        out = F.scaled_dot_product_attention(
+            q_rows, k_rows, v_rows, attn_mask=allowed, scale=attn.scaling, enable_gqa=n_heads != n_kv,
+        )  # (B, h, S, d)
+        out = out.transpose(1, 2).reshape(B * S, n_heads * head_dim)[flat]  # (N, h·d)
+        hidden = hidden + attn.o_proj(out)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = decoder.norm(hidden)
+    return (hidden, real, kept) if keep_keys_values else (hidden, real)
+
+
+def head_counts(config) -> tuple[int, int, int]:
+    """``(query heads, key/value heads, head dim)`` of a Llama-family config."""
+    n_heads = config.num_attention_heads
+    return n_heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // n_heads
+
+
+def fast_layer(module: nn.Module) -> nn.Module:
+    """A peft LoRA layer whose adapters are off (folded into the base weights, or the reference policy) computes
+    its base layer only: call that directly. Anything else is called as it is."""
+    base = getattr(module, "base_layer", None)
+    return base if base is not None and getattr(module, "disable_adapters", False) else module
+
+
+class StaticKVDecoder:
+    """One token per row at a time on a preallocated KV cache: the decode steps of a sampling loop without
+    transformers' per-step work (its cache growing by concatenation, its 4-D mask rebuilt every step, its
+    wrappers), on the same modules and the same arithmetic.
+
+    Args:
+        decoder: the base model's decoder (:func:`supports_unpadded` must hold).
+        keys_values: per layer ``(keys, values)`` ``(B, kv, W, d)`` of the prompt (:func:`unpadded_decoder_states`
+            with ``keep_keys_values``).
+        mask: ``(B, W)`` 1 on the prompt's real columns.
+        max_new_tokens: how many steps may follow (the cache's spare columns).
+    """
+
+    def __init__(self, decoder: nn.Module, keys_values, mask: torch.Tensor, max_new_tokens: int):
+        self.decoder = decoder
+        B, W = mask.shape
+        self.width = W
+        self.keys = [k.new_zeros(B, k.shape[1], W + max_new_tokens, k.shape[3]) for k, _ in keys_values]  # per layer (B, kv, W + L, d)
+        self.values = [torch.zeros_like(k) for k in self.keys]
+        for index, (k, v) in enumerate(keys_values):
+            self.keys[index][:, :, :W] = k
+            self.values[index][:, :, :W] = v
+        self.allowed = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)[:, None, None]  # (B, 1, 1, W + L)
+        self.steps = 0
+        self.last_prompt_states: torch.Tensor | None = None
+        """``(B, H)`` set by whoever ran the prompt: the states the first sampled token comes from."""
+        layers = decoder.layers[: decoder.config.num_hidden_layers]
+        self.modules = [
+            (layer.input_layernorm, *(fast_layer(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
+             layer.post_attention_layernorm, layer.mlp)
+            for layer in layers
+        ]
+
+    @staticmethod
+    def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of the Llama family, ``down(act(gate(x)) * up(x))``, its layers called as :func:`fast_layer` says."""
+        return fast_layer(mlp.down_proj)(mlp.act_fn(fast_layer(mlp.gate_proj)(x)) * fast_layer(mlp.up_proj)(x))
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append ``tokens (B,)`` at ``positions (B,)``; → the final-norm hidden states ``(B, H)`` after them."""
+        decoder, t = self.decoder, self.width + self.steps
+        n_heads, n_kv, head_dim = head_counts(decoder.config)
+        B = len(tokens)
+        hidden = decoder.embed_tokens(tokens)  # (B, H)
+        cos, sin = decoder.rotary_emb(hidden, positions[None])  # (1, B, d)
+        cos, sin = cos[0, :, None], sin[0, :, None]  # (B, 1, d)
+        allowed = self.allowed[..., : t + 1]  # (B, 1, 1, t + 1)
+        for index, (norm, q_proj, k_proj, v_proj, o_proj, post_norm, mlp) in enumerate(self.modules):
+            attn = decoder.layers[index].self_attn
+            x = norm(hidden)  # (B, H)
+            q = q_proj(x).view(B, n_heads, head_dim)
+            k = k_proj(x).view(B, n_kv, head_dim)
+            v = v_proj(x).view(B, n_kv, head_dim)
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            self.keys[index][:, :, t] = k
+            self.values[index][:, :, t] = v
+            out = F.scaled_dot_product_attention(
+                q[:, :, None], self.keys[index][:, :, : t + 1], self.values[index][:, :, : t + 1], attn_mask=allowed,
+                scale=attn.scaling, enable_gqa=n_heads != n_kv,
+            )  # (B, h, 1, d)
+            hidden = hidden + o_proj(out.reshape(B, n_heads * head_dim))
+            hidden = hidden + self._mlp(mlp, post_norm(hidden))
+        self.steps += 1
+        return decoder.norm(hidden)

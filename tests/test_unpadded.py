@@ -1,0 +1,149 @@
+"""The forward on real tokens only (``--unpadded_forward``, :mod:`marft.agents.unpadded`): the same hidden
+states, log-probs, values and gradients as transformers' padded forward, for each supported architecture."""
+
+import pytest
+import torch
+from test_shared_header_update import assert_same_gradients, gradients, rollout
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
+
+from marft.agents.headers import position_ids_from_mask
+from marft.agents.unpadded import supports_unpadded, unpadded_decoder_states
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+CONFIGS = {
+    "qwen2": Qwen2Config(**SMALL),
+    "llama": LlamaConfig(**SMALL),
+    "qwen3": Qwen3Config(**SMALL, head_dim=16),  # q/k norms
+}
+
+
+@pytest.mark.parametrize("with_cache", [False, True], ids=["no_cache", "cached_prefix"])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_hidden_states_and_gradients_equal_the_padded_forward(arch, with_cache):
+    """Rows with left padding, pads between a cached prefix and the rest, and right-padded ends: the real tokens'
+    hidden states and every parameter's gradient equal transformers' forward (float32 rounding)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch], attn_implementation="sdpa").float()
+    assert supports_unpadded(model)
+    decoder = model.get_decoder()
+    B, C, S = 3, 5 if with_cache else 0, 12
+    ids = torch.randint(0, 97, (B, S))
+    mask = torch.ones(B, C + S, dtype=torch.long)
+    mask[0, C : C + 4] = 0  # pads right after the prefix (or at the left)
+    mask[1, -3:] = 0  # a right-padded end
+    mask[2, :2] = 0  # a shorter cached prefix (left-padded), as role headers of different lengths
+    positions = position_ids_from_mask(mask)[:, C:]
+    prefix_ids = torch.randint(0, 97, (B, C))
+
+    def run(unpadded: bool):
+        model.zero_grad()
+        cache = None
+        if with_cache:
+            cache = decoder(input_ids=prefix_ids, attention_mask=mask[:, :C], position_ids=position_ids_from_mask(mask[:, :C]), use_cache=True).past_key_values
+        if unpadded:
+            hidden, real = unpadded_decoder_states(decoder, cache, ids, mask, positions)
+        else:
+            out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None).last_hidden_state
+            real = mask[:, C:].bool()
+            hidden = out[real]
+        weights = torch.linspace(-1, 1, hidden.numel()).view_as(hidden)
+        (hidden * weights).sum().backward()
+        return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ours, our_grads = run(True)
+    theirs, their_grads = run(False)
+    torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=0)
+    assert our_grads.keys() == their_grads.keys() and len(our_grads) > 10
+    for name in their_grads:
+        scale = float(their_grads[name].abs().max())
+        torch.testing.assert_close(our_grads[name], their_grads[name], atol=1e-4 * scale + 1e-7, rtol=0, msg=name)
+
+
+def test_unsupported_models_use_the_padded_forward():
+    """A sliding-window Mistral and a model type outside the Llama family are not run unpadded."""
+    from transformers import GPT2Config, MistralConfig
+
+    assert not supports_unpadded(AutoModelForCausalLM.from_config(MistralConfig(**SMALL, sliding_window=8)))
+    assert not supports_unpadded(AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50)))
+
+
+def end_early(team, buffer):
+    """Env 0's replies end after 3 tokens (a random model never samples EOS): right-padded replies."""
+    buffer.response_mask[:, 0, :, 3:] = 0
+    buffer.response_ids[:, 0, :, 3:] = team.pad_id
+
+
+def _unpadded(team, enabled: bool):
+    team.headers.unpadded_forward = enabled
+
+
+@pytest.mark.parametrize(
+    "algorithm,model,algo",
+    [
+        ("APPO", {}, {"entropy_coef": 0.01, "kl_coef": 0.1}),
+        ("TPPO", {"critic_mode": "per_agent"}, {"gradient_cp_steps": 2}),
+        ("GRPO", {"shared_lora": True}, {"normalization_mode": "token"}),
+    ],
+    ids=["appo_entropy_kl", "tppo_per_agent_critics", "grpo_shared_lora"],
+)
+def test_update_gradients_equal_the_padded_forward(random_model_dir, monkeypatch, algorithm, model, algo):
+    """Every policy and critic gradient of a first update step on a real rollout (three agents, private observations,
+    histories cut from the left, replies ended early) is the padded forward's, with and without shared role headers."""
+    team, trainer, buffer = rollout(random_model_dir, algorithm, context_window=120, algo=algo, **model)
+    end_early(team, buffer)
+    assert team.headers.unpadded_forward  # the default on a Qwen2-style model
+    assert (buffer.prompt_mask == 0).any() and (buffer.response_mask == 0).any()  # there are pads to skip
+    for shared in (True, False):
+        ours, _ = gradients(team, trainer, buffer, shared=shared, monkeypatch=monkeypatch)
+        _unpadded(team, False)
+        theirs, _ = gradients(team, trainer, buffer, shared=shared, monkeypatch=monkeypatch)
+        _unpadded(team, True)
+        assert_same_gradients(ours, theirs)
+
+
+def test_scores_and_values_equal_the_padded_forward(random_model_dir):
+    """Log-probs, entropies and prompt/token values of a rollout's turns: unpadded == padded, and the pad share the
+    update reports drops to the role headers' own padding."""
+    team, trainer, buffer = rollout(random_model_dir, "TPPO", context_window=120)
+    end_early(team, buffer)
+    samples = buffer.critic_samples(token_level=True)
+    args = (samples["prompt_ids"], samples["prompt_mask"], samples["response_ids"], samples["response_mask"])
+    results = []
+    for enabled in (True, False):
+        _unpadded(team, enabled)
+        with torch.no_grad():
+            scores = team.response_logprobs(team.policy_adapters[0], *args, with_entropy=True, agents=samples["agent"])
+            values = team.critic.values(args[0], args[1], agent=samples["agent"])
+            token_values = team.critic.token_values(*args, agent=samples["agent"])
+        results.append((scores, values, token_values))
+    (ours, our_values, our_tokens), (theirs, their_values, their_tokens) = results
+    torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ours.entropy, theirs.entropy, atol=1e-5, rtol=0)
+    torch.testing.assert_close(our_values, their_values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(our_tokens, their_tokens, atol=1e-5, rtol=0)
+    assert ours.positions < theirs.positions and ours.padding < theirs.padding
+
+
+def test_decode_loop_on_the_static_cache_samples_what_the_padded_steps_sample(random_model_dir):
+    """The sampling loop with the prompt run unpadded and the steps on a preallocated cache samples the ids of the
+    transformers-forward steps for a seed, with the same log-probs, with each adapter folded into the weights
+    (the default) and unfolded, for agents behind a shared role header, private observations and padded prompts."""
+    from test_team import HISTORIES
+
+    team, _, _ = rollout(random_model_dir, "APPO")
+    for fold in (True, False):
+        team.config.merge_lora_in_rollout = fold
+        for agent in range(team.n_agents):
+            ids, mask = team.encode_prompts(agent, HISTORIES * 2, [[]] * 6, ["x = 7"] * 6 if agent == 0 else None)
+            assert (mask == 0).any()
+            replies = []
+            for enabled in (True, False):
+                _unpadded(team, enabled)
+                torch.manual_seed(5)
+                replies.append(team.sample(team.agent_adapters[agent], ids, mask, agent))
+            _unpadded(team, True)
+            ours, theirs = replies
+            assert torch.equal(ours.response_ids, theirs.response_ids)
+            torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
