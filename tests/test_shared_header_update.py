@@ -45,8 +45,8 @@ def gradients(team, trainer, buffer, shared: bool, monkeypatch) -> tuple[list[li
     (or each row running its own header, the plain forward), and how many header forwards ran."""
     runs = []
     with monkeypatch.context() as patch:
-        original = team.headers.run
-        patch.setattr(team.headers, "run", lambda agents: runs.append(agents) or original(agents))
+        original = team.headers.forward_headers
+        patch.setattr(team.headers, "forward_headers", lambda ids, mask: runs.append(len(ids)) or original(ids, mask))
         if not shared:
             patch.setattr(team.headers, "rows_behind_headers", lambda agents, ids, mask: (None, ids, mask))
         results = []
@@ -82,7 +82,7 @@ def assert_same_gradients(shared, plain):
     ids=["appo", "appo_history_cut_entropy_kl", "tppo_per_agent_critics_two_chunks", "tppo_shared_lora_history_cut", "grpo_kl"],
 )
 def test_update_with_shared_role_headers_has_the_plain_forwards_gradients(random_model_dir, monkeypatch, algorithm, context_window, model, algo):
-    """Policy (with entropy and reference-KL terms) and critic gradients with each header run once per chunk equal
+    """Policy (with entropy and reference-KL terms) and critic gradients with each header run once per minibatch equal
     those of one plain forward per row (within 1e-4 of each gradient's largest entry; measured 1e-6 to 3e-5), for three agents with headers of different lengths,
     private observations and histories cut from the left; and the headers really ran once per chunk."""
     team, trainer, buffer = rollout(random_model_dir, algorithm, context_window=context_window, algo=algo, **model)
@@ -93,9 +93,11 @@ def test_update_with_shared_role_headers_has_the_plain_forwards_gradients(random
     assert_same_gradients(shared, plain)
     assert plain_runs == 0
     chunks = trainer.config.gradient_cp_steps
-    policy_forwards = len(trainer.adapter_groups(list(range(team.n_agents)))) * chunks * (2 if trainer.config.kl_coef else 1)
-    critic_forwards = sum(chunks * len(team.critic.agents_of(c)) for c in team.critic_adapters)  # a critic's chunks: per agent it values
-    assert shared_runs == policy_forwards + critic_forwards
+    # with the gradient, one header forward per adapter, minibatch and set of agents in a chunk (chunks of the same
+    # agents share it); without (the reference policy's scoring), one per chunk
+    groups, reference = len(trainer.adapter_groups(list(range(team.n_agents)))), chunks if trainer.config.kl_coef else 0
+    per_chunk = groups * (chunks + reference) + sum(chunks * len(team.critic.agents_of(c)) for c in team.critic_adapters)
+    assert groups * (1 + reference) + len(team.critic_adapters) <= shared_runs <= per_chunk
 
 
 def test_gradient_checkpointing_falls_back_to_the_plain_forward(random_model_dir, monkeypatch):
@@ -150,3 +152,28 @@ def test_rows_are_picked_reproducibly_under_autograd():
         torch.testing.assert_close(grads[0][0], torch.zeros_like(keys).index_add_(0, rows, weights))  # each header: its rows' sum
     finally:
         torch.set_num_threads(threads)
+
+
+def test_chunks_of_a_minibatch_share_one_header_forward(random_model_dir, monkeypatch):
+    """Minibatches cut into chunks that each hold rows of all three agents (the policy's into 2, the critic's into
+    2 x 3): one header forward (and backward) per adapter for all of a minibatch's chunks, with the plain forward's
+    gradients."""
+    team, trainer, buffer = rollout(random_model_dir, "APPO", shared_lora=True, algo={"gradient_cp_steps": 2})
+    plain, _ = gradients(team, trainer, buffer, shared=False, monkeypatch=monkeypatch)
+    monkeypatch.setattr(trainer, "_minibatches", _same_agents_in_every_chunk(trainer._minibatches, buffer))
+    shared, runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
+    assert runs == 2  # the shared policy adapter and the critic: one each
+    assert_same_gradients(shared, plain)
+
+
+def _same_agents_in_every_chunk(minibatches, buffer):
+    """``trainer._minibatches`` whose chunks each hold rows of every agent (round-robin over the agents' rows)."""
+    def wrapped(samples, chunks_per_minibatch):
+        out = []
+        for chunks, units in minibatches(samples, chunks_per_minibatch):
+            rows = torch.cat(chunks)
+            by_agent = [rows[samples["agent"][rows] == a] for a in samples["agent"].unique()]
+            interleaved = torch.stack([r[: min(len(x) for x in by_agent)] for r in by_agent], 1).flatten()
+            out.append((list(interleaved.chunk(chunks_per_minibatch)), units))
+        return out
+    return wrapped

@@ -19,11 +19,13 @@ CONFIGS = {
 }
 
 
+@pytest.mark.parametrize("tail", [None, 4], ids=["all_tokens", "last_4_columns"])
 @pytest.mark.parametrize("with_cache", [False, True], ids=["no_cache", "cached_prefix"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_hidden_states_and_gradients_equal_the_padded_forward(arch, with_cache):
+def test_hidden_states_and_gradients_equal_the_padded_forward(arch, with_cache, tail):
     """Rows with left padding, pads between a cached prefix and the rest, and right-padded ends: the real tokens'
-    hidden states and every parameter's gradient equal transformers' forward (float32 rounding)."""
+    hidden states (all of them, or those of the last 4 columns, where the last layer skips the rest) and every
+    parameter's gradient equal transformers' forward (float32 rounding)."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(CONFIGS[arch], attn_implementation="sdpa").float()
     assert supports_unpadded(model)
@@ -42,12 +44,14 @@ def test_hidden_states_and_gradients_equal_the_padded_forward(arch, with_cache):
         cache = None
         if with_cache:
             cache = decoder(input_ids=prefix_ids, attention_mask=mask[:, :C], position_ids=position_ids_from_mask(mask[:, :C]), use_cache=True).past_key_values
+        real = mask[:, C:].bool()
         if unpadded:
-            hidden, real = unpadded_decoder_states(decoder, cache, ids, mask, positions)
+            hidden, _ = unpadded_decoder_states(decoder, cache, ids, mask, positions, tail=tail)
+            if tail is not None:
+                hidden = hidden[real[:, -tail:]]
         else:
             out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None).last_hidden_state
-            real = mask[:, C:].bool()
-            hidden = out[real]
+            hidden = out[real] if tail is None else out[:, -tail:][real[:, -tail:]]
         weights = torch.linspace(-1, 1, hidden.numel()).view_as(hidden)
         (hidden * weights).sum().backward()
         return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

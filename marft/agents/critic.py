@@ -91,8 +91,10 @@ class Critic(nn.Module):
         response_mask: torch.Tensor | None = None,
         agent: int | torch.Tensor | None = None,
         critic: str | None = None,
+        tail: int | None = None,
     ) -> torch.Tensor:
-        """A critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H).
+        """A critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H), or only the
+        last ``tail`` columns' (B, tail, H) (the rest of the last layer is then skipped, :meth:`RoleHeaderCache.decoder_states`).
 
         With ``agent`` (one agent, or each row's agent as a ``(B,)`` tensor), the prompts are those agents':
         their critic runs them (unless ``critic`` names one), each role header is run once for the batch
@@ -108,7 +110,7 @@ class Critic(nn.Module):
         if response_ids is not None:
             prompt_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
             prompt_mask = torch.cat([prompt_mask, response_mask], dim=1)
-        return self.headers.decoder_states(cache, prompt_ids, prompt_mask)
+        return self.headers.decoder_states(cache, prompt_ids, prompt_mask, tail=tail)
 
     def values(
         self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | torch.Tensor | None = None, critic: str | None = None
@@ -118,7 +120,7 @@ class Critic(nn.Module):
         ``agent``: the prompts are that agent's, or each row's agent's (``(B,)``): valued by their critic, each
         role header run once for the batch (:meth:`states`); ``critic``: the critic to use on prompts of any agents (needed with per-agent critics)."""
         critic = self.adapter_for(agent, critic)
-        hidden = self.states(prompt_ids, prompt_mask, agent=agent, critic=critic)  # (B, S, H)
+        hidden = self.states(prompt_ids, prompt_mask, agent=agent, critic=critic, tail=1)  # (B, 1, H)
         return self.value_heads[critic](hidden[:, -1].float()).squeeze(-1)  # (B,)
 
     def token_values(
@@ -136,7 +138,7 @@ class Critic(nn.Module):
         """
         L = response_ids.shape[1]
         critic = self.adapter_for(agent, critic)
-        hidden = self.states(prompt_ids, prompt_mask, response_ids, response_mask, agent, critic)[:, -L - 1 : -1]  # (B, L, H): before token t
+        hidden = self.states(prompt_ids, prompt_mask, response_ids, response_mask, agent, critic, tail=L + 1)[:, :-1]  # (B, L, H): before token t
         return self.value_heads[critic](hidden.float()).squeeze(-1) * response_mask  # (B, L)
 
     @torch.no_grad()
@@ -158,8 +160,8 @@ class Critic(nn.Module):
                 if token_values:
                     ids = torch.cat([ids, torch.cat([t.response_ids for _, t in mine])], dim=1)  # (ΣB, Hmax + S + L)
                     mask = torch.cat([mask, torch.cat([t.response_mask for _, t in mine])], dim=1)
-                hidden = self.headers.decoder_states(cache, ids, mask)  # (ΣB, S + L, H)
-            values = self.value_heads[critic](hidden[:, hidden.shape[1] - L - 1 :].float()).squeeze(-1)  # (ΣB, L + 1): before each reply token, then after
+                hidden = self.headers.decoder_states(cache, ids, mask, tail=L + 1)  # (ΣB, L + 1, H)
+            values = self.value_heads[critic](hidden.float()).squeeze(-1)  # (ΣB, L + 1): before each reply token, then after
             for (_, turn), rows in zip(mine, values.split([len(t.prompt_ids) for _, t in mine])):
                 turn.values = rows[:, 0]  # the value of the prompt (also for empty replies)
                 if token_values:

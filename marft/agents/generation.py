@@ -186,10 +186,10 @@ class DecodeLoop:
         if not self.headers.unpadded_forward or not (mask[:, mask.shape[1] - step_ids.shape[1]:] == 1).any(1).all():
             return None
         decoder = model.get_decoder()
-        hidden, real, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
-                                                            keep_keys_values=True)  # (N, H), (B, S)
+        hidden, _, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
+                                                         tail=1, keep_keys_values=True)  # (B, 1, H)
         static = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens)
-        static.last_prompt_states = hidden[real.sum(1).cumsum(0) - 1]  # (B, H) each row's last real token
+        static.last_prompt_states = hidden[:, -1]  # (B, H) each row's last prompt token (prompts end in the last column)
         return static, fast_layer(model.get_output_embeddings())
 
     @torch.no_grad()

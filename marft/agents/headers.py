@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
+from transformers import DynamicCache
 
 from marft.agents.adapters import AdapterBank
 from marft.agents.prompts import left_pad
@@ -60,6 +61,9 @@ class RoleHeaderCache:
         """Whether :meth:`decoder_states` skips the pads in the linear layers (asked for, and the model supports it)."""
         self.memo: dict | None = None
         """Inside :meth:`frozen`: role-header keys/values per (adapter, merged adapter, agents); None outside."""
+        self.chunk_memo: dict | None = None
+        """Inside :meth:`shared_over_chunks`: per (adapter, merged adapter, agents) the header forward's keys/values
+        (with their graph), the detached copies each chunk used, and the padded header ids and mask; None outside."""
 
     @contextmanager
     def frozen(self):
@@ -74,6 +78,30 @@ class RoleHeaderCache:
         finally:
             self.memo = None
 
+    @contextmanager
+    def shared_over_chunks(self):
+        """A minibatch cut into chunks for gradient accumulation: each role header runs once, with the gradient, for
+        all the chunks (not once per chunk). Every chunk starts from detached copies of the header's keys/values;
+        on leaving, the header's backward receives the chunks' gradients, summed in chunk order: the gradient of
+        one header forward per chunk, for one forward and one backward. Leave it before the optimizer step."""
+        if self.chunk_memo is not None:
+            yield
+            return
+        self.chunk_memo = {}
+        try:
+            yield
+            for sources, copies, _, _ in self.chunk_memo.values():
+                outputs, grads = [], []
+                for index, source in enumerate(sources):
+                    received = [chunk[index].grad for chunk in copies if chunk[index].grad is not None]
+                    if received and source.requires_grad:
+                        outputs.append(source)
+                        grads.append(torch.stack(received).sum(0))  # a fixed order: reproducible
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+        finally:
+            self.chunk_memo = None
+
     def run(self, agents: Sequence[int]):
         """Run the listed agents' role headers once, through the active adapter, in one forward.
 
@@ -86,16 +114,35 @@ class RoleHeaderCache:
         if self.memo is not None and memo_key in self.memo:
             cache, header_ids, header_mask = self.memo[memo_key]
             return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given
+        chunked = self.chunk_memo is not None and torch.is_grad_enabled()
+        if chunked and memo_key in self.chunk_memo:
+            sources, copies, header_ids, header_mask = self.chunk_memo[memo_key]
+            return self._detached_copy(sources, copies), header_ids, header_mask
         header_ids, header_mask = left_pad([self.header_ids[a] for a in agents], self.pad_id, self.device)
         if header_ids.shape[1] == 0:
             return None, header_ids, header_mask
-        decoder = self.bank.model.get_base_model().get_decoder()
-        cache = decoder(
-            input_ids=header_ids, attention_mask=header_mask, position_ids=position_ids_from_mask(header_mask), use_cache=True,
-        ).past_key_values  # header positions 0..h_a-1, as in every row of agent a
+        cache = self.forward_headers(header_ids, header_mask)
         if self.memo is not None:
             self.memo[memo_key] = (copy.deepcopy(cache), header_ids, header_mask)
+        if chunked:
+            sources = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+            self.chunk_memo[memo_key] = (sources, [], header_ids, header_mask)
+            return self._detached_copy(sources, self.chunk_memo[memo_key][1]), header_ids, header_mask
         return cache, header_ids, header_mask
+
+    def forward_headers(self, header_ids: torch.Tensor, header_mask: torch.Tensor):
+        """One forward of left-padded headers ``(n, Hmax)`` through the active adapter → their cache."""
+        decoder = self.bank.model.get_base_model().get_decoder()
+        return decoder(
+            input_ids=header_ids, attention_mask=header_mask, position_ids=position_ids_from_mask(header_mask), use_cache=True,
+        ).past_key_values  # header positions 0..h_a-1, as in every row of agent a
+
+    def _detached_copy(self, sources: list[torch.Tensor], copies: list) -> DynamicCache:
+        """A cache of detached copies of a header forward's keys/values (leaves that collect one chunk's gradient),
+        recorded in ``copies``."""
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in sources]
+        copies.append(leaves)
+        return DynamicCache([(leaves[i], leaves[i + 1]) for i in range(0, len(leaves), 2)])  # per layer (keys, values)
 
     def rests(self, agent: int, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What follows agent ``agent``'s role header in each of its left-padded prompts. (B, P) → (B, P - h) ids and mask.
@@ -168,21 +215,25 @@ class RoleHeaderCache:
         mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
         return cache, ids, mask
 
-    def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor, tail: int | None = None) -> torch.Tensor:
         """Last hidden states of the active adapter's decoder over ``ids (B, S)``, whose first columns
-        ``cache`` (or None) already holds. → (B, S - cached, H).
+        ``cache`` (or None) already holds. → (B, S - cached, H), or only the last ``tail`` columns (B, tail, H).
 
         With :attr:`unpadded_forward` (and not under gradient checkpointing, whose layer wrappers it would
-        bypass) the layers' matrix products run on the real tokens only; the states of pads are then zero
-        (transformers' forward gives them values no caller reads)."""
+        bypass) the layers' matrix products run on the real tokens only, and with ``tail`` the last layer's
+        queries, attention and MLP on those columns only (:func:`unpadded_decoder_states`); the states of pads
+        are then zero or arbitrary (transformers' forward gives them values no caller reads either)."""
         cached = 0 if cache is None else cache.get_seq_length()
         decoder = self.bank.model.get_base_model().get_decoder()
         positions = position_ids_from_mask(mask)[:, cached:]  # (B, S - cached)
         ids = ids[:, cached:]
         if self.unpadded_forward and self.sharable:
-            hidden, real = unpadded_decoder_states(decoder, cache, ids, mask, positions)  # (N, H), (B, S - cached)
+            hidden, real = unpadded_decoder_states(decoder, cache, ids, mask, positions, tail=tail)  # (B, tail, H) or (N, H)
+            if tail is not None:
+                return hidden
             flat = real.flatten().nonzero().squeeze(1)  # (N,)
             return hidden.new_zeros(real.numel(), hidden.shape[-1]).index_copy(0, flat, hidden).view(*real.shape, -1)
-        return decoder(
+        hidden = decoder(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
         ).last_hidden_state
+        return hidden if tail is None else hidden[:, -tail:]

@@ -210,7 +210,7 @@ class AgentTeam(nn.Module):
             positions += cached * len(headers)
             padding += sum(cached - len(h) for h in headers)
         if unpadded:
-            hidden = self.headers.decoder_states(cache, input_ids, mask)[:, -L - 1 :]  # (B, L + 1, H)
+            hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
             out_logits = self.model.get_output_embeddings()(hidden)  # (B, L + 1, V)
         else:
             out_logits = self.model(

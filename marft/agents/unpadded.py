@@ -44,9 +44,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpadded_decoder_states(
-    decoder: nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep_keys_values: bool = False,
+    decoder: nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, tail: int | None = None,
+    keep_keys_values: bool = False,
 ):
-    """The decoder's last hidden states of the real tokens of ``ids``.
+    """The decoder's last hidden states of the real tokens of ``ids``, or of its last ``tail`` columns.
 
     Args:
         decoder: the base model's decoder (``model.get_decoder()``; its modules carry the active adapter).
@@ -55,11 +56,15 @@ def unpadded_decoder_states(
         ids: ``(B, S)`` the columns after the cache.
         mask: ``(B, C + S)`` 1 on real tokens, cache columns included.
         positions: ``(B, S)`` position ids of the S columns.
+        tail: only the last ``tail`` columns' states are wanted (the reply's positions, the last prompt token):
+            the last layer then computes its keys and values for every token (attention needs them) but its
+            queries, attention output and MLP only there. On a 4-layer model that is a fifth of the work.
         keep_keys_values: also return every layer's keys and values (to decode from, :class:`StaticKVDecoder`).
     Returns:
-        ``(hidden (N, H), real (B, S) bool)``: the final-norm hidden states of the N real tokens in row-major order
-        (``hidden[k]`` is the k-th True of ``real``); with ``keep_keys_values`` a third item, per layer
-        ``(keys, values)`` of shape ``(B, kv, C + S, d)`` (zeros at pads).
+        ``(hidden, real (B, S) bool)``: ``hidden`` holds the final-norm states of the N real tokens in row-major order,
+        ``(N, H)`` (``hidden[k]`` is the k-th True of ``real``), or with ``tail`` those of the last columns,
+        ``(B, tail, H)`` (a pad among them gets finite states no caller should read); with ``keep_keys_values``
+        a third item, per layer ``(keys, values)`` of shape ``(B, kv, C + S, d)`` (zeros at pads).
     """
     config = decoder.config
     B, S = ids.shape
@@ -76,34 +81,47 @@ def unpadded_decoder_states(
     own = torch.cat([causal.new_zeros(S, C), torch.eye(S, dtype=torch.bool, device=ids.device)], dim=1)  # (S, C + S)
     allowed = allowed | own[None, None]  # a pad query sees its own (zero) key: no empty softmax row
 
+    def rows(t: torch.Tensor) -> torch.Tensor:  # (N, ...) → (B, S, ...), zeros at pads
+        return t.new_zeros(B * S, *t.shape[1:]).index_copy(0, flat, t).view(B, S, *t.shape[1:])
+
     n_heads, n_kv, head_dim = head_counts(config)
+    layers = decoder.layers[: config.num_hidden_layers]
     kept = []
-    for index, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
+    for index, layer in enumerate(layers):
         attn = layer.self_attn
+        last = tail is not None and index == len(layers) - 1
         x = layer.input_layernorm(hidden)  # (N, H)
-        q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
         k = attn.k_proj(x).view(-1, n_kv, head_dim)  # (N, kv, d)
         v = attn.v_proj(x).view(-1, n_kv, head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMS norms before the rotary positions
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # (N, h, d) → (B, h, S, d), zeros at pads
-            padded = t.new_zeros(B * S, *t.shape[1:]).index_copy(0, flat, t)
-            return padded.view(B, S, *t.shape[1:]).transpose(1, 2)
-
-        q_rows, k_rows, v_rows = rows(q), rows(k), rows(v)
+        if hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms before the rotary positions
+            k = attn.k_norm(k)
+        k = k * cos + _rotate_half(k) * sin
+        k_rows, v_rows = rows(k).transpose(1, 2), rows(v).transpose(1, 2)  # (B, kv, S, d)
         if cache is not None:
             k_rows = torch.cat([cache.layers[index].keys, k_rows], dim=2)  # (B, kv, C + S, d)
             v_rows = torch.cat([cache.layers[index].values, v_rows], dim=2)
         if keep_keys_values:
             kept.append((k_rows, v_rows))
+        if last:  # queries, attention output and MLP of the last `tail` columns only
+            hidden = rows(hidden)[:, S - tail :]  # (B, tail, H) the residual stream there
+            q = attn.q_proj(layer.input_layernorm(hidden)).view(B, tail, n_heads, head_dim)
+            q_cos, q_sin = decoder.rotary_emb(hidden, positions[:, S - tail :])  # (B, tail, d)
+            q_cos, q_sin, query_mask = q_cos[:, :, None], q_sin[:, :, None], allowed[:, :, S - tail :]
+        else:
+            q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
+            q_cos, q_sin, query_mask = cos, sin, allowed
+        if hasattr(attn, "q_norm"):
+            q = attn.q_norm(q)
+        q = q * q_cos + _rotate_half(q) * q_sin
+        q_rows = (q if last else rows(q)).transpose(1, 2)  # (B, h, S or tail, d)
         out = F.scaled_dot_product_attention(
-            q_rows, k_rows, v_rows, attn_mask=allowed, scale=attn.scaling, enable_gqa=n_heads != n_kv,
-        )  # (B, h, S, d)
-        out = out.transpose(1, 2).reshape(B * S, n_heads * head_dim)[flat]  # (N, h·d)
+            q_rows, k_rows, v_rows, attn_mask=query_mask, scale=attn.scaling, enable_gqa=n_heads != n_kv,
+        ).transpose(1, 2)  # (B, S or tail, h, d)
+        out = out.reshape(B, tail, n_heads * head_dim) if last else out.reshape(B * S, n_heads * head_dim)[flat]  # (B, tail, h·d) or (N, h·d)
         hidden = hidden + attn.o_proj(out)
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    if tail is not None and not layers:
+        hidden = rows(hidden)[:, S - tail :]
     hidden = decoder.norm(hidden)
     return (hidden, real, kept) if keep_keys_values else (hidden, real)
 

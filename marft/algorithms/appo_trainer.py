@@ -298,19 +298,20 @@ class APPOTrainer:
             epoch_kl = []
             for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps):
                 loss_ok = True
-                for chunk in chunks:
-                    mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
-                    policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
-                    loss = (policy_loss - cfg.entropy_coef * entropy) * (self.loss_units(samples, chunk) / units)
-                    if not torch.isfinite(loss):
-                        loss_ok = False
-                        break
-                    loss.backward()
-                    stats["policy_loss"].append(policy_loss.item())
-                    stats["entropy"].append(entropy.item())
-                    for key, value in pstats.items():
-                        stats[key].append(value.item())
-                    epoch_kl.append(pstats["approx_kl"].item())
+                with team.headers.shared_over_chunks():  # each role header: one forward and backward per minibatch
+                    for chunk in chunks:
+                        mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
+                        policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
+                        loss = (policy_loss - cfg.entropy_coef * entropy) * (self.loss_units(samples, chunk) / units)
+                        if not torch.isfinite(loss):
+                            loss_ok = False
+                            break
+                        loss.backward()
+                        stats["policy_loss"].append(policy_loss.item())
+                        stats["entropy"].append(entropy.item())
+                        for key, value in pstats.items():
+                            stats[key].append(value.item())
+                        epoch_kl.append(pstats["approx_kl"].item())
                 stats["grad_norm"].append(self._step(optimizer, params, loss_ok, adapter))
             if cfg.target_kl is None:
                 continue
@@ -336,15 +337,16 @@ class APPOTrainer:
         for _ in range(cfg.ppo_epoch):
             for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok = True
-                for chunk in chunks:
-                    mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
-                    value_loss = self.value_loss(mb, critic)
-                    loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)
-                    if not torch.isfinite(loss):
-                        loss_ok = False
-                        break
-                    loss.backward()
-                    stats["value_loss"].append(value_loss.item())
+                with team.headers.shared_over_chunks():
+                    for chunk in chunks:
+                        mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
+                        value_loss = self.value_loss(mb, critic)
+                        loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)
+                        if not torch.isfinite(loss):
+                            loss_ok = False
+                            break
+                        loss.backward()
+                        stats["value_loss"].append(value_loss.item())
                 stats["grad_norm"].append(self._step(self.critic_optimizers[critic], params, loss_ok, critic))
         if self.token_level:
             real = samples["response_mask"].bool()
