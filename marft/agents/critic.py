@@ -91,10 +91,10 @@ class Critic(nn.Module):
         response_mask: torch.Tensor | None = None,
         agent: int | torch.Tensor | None = None,
         critic: str | None = None,
-        tail: int | None = None,
+        tail: int = 1,
     ) -> torch.Tensor:
-        """A critic's last hidden states over a prompt batch (and replies). (B, P)[, (B, L)] → (B, S, H), or only the
-        last ``tail`` columns' (B, tail, H) (the rest of the last layer is then skipped, :meth:`RoleHeaderCache.decoder_states`).
+        """A critic's last hidden states at the last ``tail`` columns of a prompt batch (and replies).
+        (B, P)[, (B, L)] → (B, tail, H) (the rest of the last layer is skipped, :meth:`RoleHeaderCache.decoder_states`).
 
         With ``agent`` (one agent, or each row's agent as a ``(B,)`` tensor), the prompts are those agents':
         their critic runs them (unless ``critic`` names one), each role header is run once for the batch

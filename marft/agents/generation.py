@@ -179,18 +179,29 @@ class DecodeLoop:
         self.settings = settings
         self.logprobs_from_generate = logprobs_from_generate
 
-    def _static_decoder(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
-        """``(StaticKVDecoder, lm_head)`` after running the prompt ``step_ids (B, S)`` behind ``cache`` on its real tokens,
-        or None where the padded transformers forward must do (not asked for, unsupported model, or a row whose
-        prompt lies wholly in the cache: its last state is not among the new ones)."""
+    def _static_cache_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
+        """The prompt ``step_ids (B, S)`` behind ``cache`` run on its real tokens, then steps on a preallocated cache:
+        ``(logits (B, V) after the prompt, next_logits(t, ids (B, 1), positions (B, 1)))``. None where the padded
+        transformers forward must do (not asked for, unsupported model, or a row whose prompt lies wholly in the
+        cache: its last state is not among the new ones)."""
         if not self.headers.unpadded_forward or not (mask[:, mask.shape[1] - step_ids.shape[1]:] == 1).any(1).all():
             return None
         decoder = model.get_decoder()
         hidden, _, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
-                                                         tail=1, keep_keys_values=True)  # (B, 1, H)
-        static = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens)
-        static.last_prompt_states = hidden[:, -1]  # (B, H) each row's last prompt token (prompts end in the last column)
-        return static, fast_layer(model.get_output_embeddings())
+                                                         tail=1, keep_keys_values=True)  # (B, 1, H): prompts end in the last column
+        static, lm_head = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens), fast_layer(model.get_output_embeddings())
+        return lm_head(hidden[:, -1]).float(), lambda t, ids, positions: lm_head(static.step(ids[:, 0], positions[:, 0])).float()
+
+    def _transformers_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
+        """Each step a forward of the transformers model on its growing cache: as :meth:`_static_cache_steps`."""
+        W, L = mask.shape[1], self.settings.max_new_tokens
+        full_mask = torch.cat([mask, mask.new_ones((len(mask), L))], dim=1)  # (B, W + L): step t attends to the first W + t columns
+
+        def next_logits(t: int, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=ids, attention_mask=full_mask[:, : W + t], position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
+
+        return next_logits(0, step_ids, step_positions), next_logits
 
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
@@ -209,23 +220,12 @@ class DecodeLoop:
         response_ids = torch.full((B, L), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
         logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
         unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
-        W = mask.shape[1]
-        static = self._static_decoder(model, cache, step_ids, mask, step_positions)
-        if static is not None:  # the prompt ran on its real tokens; the steps run on a preallocated cache
-            decoder, lm_head = static
-            next_logits = lambda: lm_head(decoder.step(step_ids[:, 0], step_positions[:, 0])).float()  # (B, V)
-            logits = lm_head(decoder.last_prompt_states).float()  # (B, V)
-        else:
-            full_mask = torch.cat([mask, mask.new_ones((B, L))], dim=1)  # (B, W + L): step t attends to the first W + t columns
-
-            def next_logits():
-                return model(input_ids=step_ids, attention_mask=full_mask[:, : W + t], position_ids=step_positions, past_key_values=cache,
-                             use_cache=True, logits_to_keep=1).logits[:, -1].float()  # (B, V)
-
+        steps = self._static_cache_steps(model, cache, step_ids, mask, step_positions)
+        logits, next_logits = steps or self._transformers_steps(model, cache, step_ids, mask, step_positions)  # (B, V) after the prompt
         generated = 0
         for t in range(L):
-            if t > 0 or static is None:
-                logits = next_logits()
+            if t > 0:
+                logits = next_logits(t, step_ids, step_positions)  # (B, V)
             scores = s.scoring_logits(logits)  # (B, V) tempered, as generate's temperature warper (x / 1.0 is x)
             sampled_from = scores
             if s.top_k > 0:

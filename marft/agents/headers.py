@@ -115,20 +115,18 @@ class RoleHeaderCache:
             cache, header_ids, header_mask = self.memo[memo_key]
             return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given
         chunked = self.chunk_memo is not None and torch.is_grad_enabled()
-        if chunked and memo_key in self.chunk_memo:
-            sources, copies, header_ids, header_mask = self.chunk_memo[memo_key]
-            return self._detached_copy(sources, copies), header_ids, header_mask
-        header_ids, header_mask = left_pad([self.header_ids[a] for a in agents], self.pad_id, self.device)
-        if header_ids.shape[1] == 0:
-            return None, header_ids, header_mask
-        cache = self.forward_headers(header_ids, header_mask)
-        if self.memo is not None:
-            self.memo[memo_key] = (copy.deepcopy(cache), header_ids, header_mask)
-        if chunked:
-            sources = [t for layer in cache.layers for t in (layer.keys, layer.values)]
-            self.chunk_memo[memo_key] = (sources, [], header_ids, header_mask)
-            return self._detached_copy(sources, self.chunk_memo[memo_key][1]), header_ids, header_mask
-        return cache, header_ids, header_mask
+        if not (chunked and memo_key in self.chunk_memo):
+            header_ids, header_mask = left_pad([self.header_ids[a] for a in agents], self.pad_id, self.device)
+            if header_ids.shape[1] == 0:
+                return None, header_ids, header_mask
+            cache = self.forward_headers(header_ids, header_mask)
+            if self.memo is not None:
+                self.memo[memo_key] = (copy.deepcopy(cache), header_ids, header_mask)
+            if not chunked:
+                return cache, header_ids, header_mask
+            self.chunk_memo[memo_key] = ([t for layer in cache.layers for t in (layer.keys, layer.values)], [], header_ids, header_mask)
+        sources, copies, header_ids, header_mask = self.chunk_memo[memo_key]
+        return self._detached_copy(sources, copies), header_ids, header_mask
 
     def forward_headers(self, header_ids: torch.Tensor, header_mask: torch.Tensor):
         """One forward of left-padded headers ``(n, Hmax)`` through the active adapter → their cache."""
@@ -215,25 +213,20 @@ class RoleHeaderCache:
         mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
         return cache, ids, mask
 
-    def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor, tail: int | None = None) -> torch.Tensor:
-        """Last hidden states of the active adapter's decoder over ``ids (B, S)``, whose first columns
-        ``cache`` (or None) already holds. → (B, S - cached, H), or only the last ``tail`` columns (B, tail, H).
+    def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor, tail: int) -> torch.Tensor:
+        """Last hidden states of the active adapter's decoder at the last ``tail`` columns of ``ids (B, S)``, whose
+        first columns ``cache`` (or None) already holds. → (B, tail, H).
 
         With :attr:`unpadded_forward` (and not under gradient checkpointing, whose layer wrappers it would
-        bypass) the layers' matrix products run on the real tokens only, and with ``tail`` the last layer's
-        queries, attention and MLP on those columns only (:func:`unpadded_decoder_states`); the states of pads
-        are then zero or arbitrary (transformers' forward gives them values no caller reads either)."""
+        bypass) the layers' matrix products run on the real tokens only, and the last layer's queries, attention
+        and MLP on those columns only (:func:`unpadded_decoder_states`); the states of pads among them are then
+        arbitrary (transformers' forward gives them values no caller reads either)."""
         cached = 0 if cache is None else cache.get_seq_length()
         decoder = self.bank.model.get_base_model().get_decoder()
         positions = position_ids_from_mask(mask)[:, cached:]  # (B, S - cached)
         ids = ids[:, cached:]
         if self.unpadded_forward and self.sharable:
-            hidden, real = unpadded_decoder_states(decoder, cache, ids, mask, positions, tail=tail)  # (B, tail, H) or (N, H)
-            if tail is not None:
-                return hidden
-            flat = real.flatten().nonzero().squeeze(1)  # (N,)
-            return hidden.new_zeros(real.numel(), hidden.shape[-1]).index_copy(0, flat, hidden).view(*real.shape, -1)
-        hidden = decoder(
+            return unpadded_decoder_states(decoder, cache, ids, mask, positions, tail=tail)[0]  # (B, tail, H)
+        return decoder(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
-        ).last_hidden_state
-        return hidden if tail is None else hidden[:, -tail:]
+        ).last_hidden_state[:, -tail:]

@@ -203,8 +203,9 @@ class AgentTeam(nn.Module):
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.unpadded_forward and self.headers.sharable  # the matrix products skip the rows' pads
-        row_padding = int((mask[:, cached:] == 0).sum())
-        positions, padding = mask[:, cached:].numel() - (row_padding if unpadded else 0), 0 if unpadded else row_padding
+        positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
+        if unpadded:  # the rows' pads never reach a matrix product
+            positions, padding = positions - padding, 0
         if cache is not None:  # each distinct header ran once, left-padded to the longest
             headers = [self.prompts.header_ids[a] for a in set(agents.tolist())]
             positions += cached * len(headers)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 """``config.model_type`` values whose decoder layers have the layout this forward reproduces."""
@@ -38,9 +39,9 @@ def supports_unpadded(model: nn.Module) -> bool:
     return getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager", None)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions on queries or keys ``(..., heads, d)``, ``cos``/``sin`` broadcast over heads (as transformers)."""
+    return x * cos + rotate_half(x) * sin
 
 
 def unpadded_decoder_states(
@@ -95,24 +96,25 @@ def unpadded_decoder_states(
         v = attn.v_proj(x).view(-1, n_kv, head_dim)
         if hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms before the rotary positions
             k = attn.k_norm(k)
-        k = k * cos + _rotate_half(k) * sin
+        k = _rotary(k, cos, sin)
         k_rows, v_rows = rows(k).transpose(1, 2), rows(v).transpose(1, 2)  # (B, kv, S, d)
         if cache is not None:
             k_rows = torch.cat([cache.layers[index].keys, k_rows], dim=2)  # (B, kv, C + S, d)
             v_rows = torch.cat([cache.layers[index].values, v_rows], dim=2)
         if keep_keys_values:
             kept.append((k_rows, v_rows))
-        if last:  # queries, attention output and MLP of the last `tail` columns only
+        if last:  # queries, attention output and MLP of the last `tail` columns only (a pad there: zeros in, finite out)
             hidden = rows(hidden)[:, S - tail :]  # (B, tail, H) the residual stream there
+            # the norm runs again on these rows rather than reusing rows(x): equal values, but another rounding of the
+            # reduction (~1e-7), and the README's learning figures were measured with this one; it costs B·tail rows
             q = attn.q_proj(layer.input_layernorm(hidden)).view(B, tail, n_heads, head_dim)
-            q_cos, q_sin = decoder.rotary_emb(hidden, positions[:, S - tail :])  # (B, tail, d)
-            q_cos, q_sin, query_mask = q_cos[:, :, None], q_sin[:, :, None], allowed[:, :, S - tail :]
+            q_cos, q_sin, query_mask = rows(cos)[:, S - tail :], rows(sin)[:, S - tail :], allowed[:, :, S - tail :]  # (B, tail, 1, d)
         else:
             q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
             q_cos, q_sin, query_mask = cos, sin, allowed
         if hasattr(attn, "q_norm"):
             q = attn.q_norm(q)
-        q = q * q_cos + _rotate_half(q) * q_sin
+        q = _rotary(q, q_cos, q_sin)
         q_rows = (q if last else rows(q)).transpose(1, 2)  # (B, h, S or tail, d)
         out = F.scaled_dot_product_attention(
             q_rows, k_rows, v_rows, attn_mask=query_mask, scale=attn.scaling, enable_gqa=n_heads != n_kv,
@@ -163,8 +165,6 @@ class StaticKVDecoder:
             self.values[index][:, :, :W] = v
         self.allowed = torch.cat([mask.bool(), mask.new_ones(B, max_new_tokens, dtype=torch.bool)], dim=1)[:, None, None]  # (B, 1, 1, W + L)
         self.steps = 0
-        self.last_prompt_states: torch.Tensor | None = None
-        """``(B, H)`` set by whoever ran the prompt: the states the first sampled token comes from."""
         layers = decoder.layers[: decoder.config.num_hidden_layers]
         self.modules = [
             (layer.input_layernorm, *(fast_layer(getattr(layer.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")),
@@ -195,7 +195,7 @@ class StaticKVDecoder:
             v = v_proj(x).view(B, n_kv, head_dim)
             if hasattr(attn, "q_norm"):
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
             self.keys[index][:, :, t] = k
             self.values[index][:, :, t] = v
             out = F.scaled_dot_product_attention(

@@ -20,8 +20,8 @@ from typing import Callable, Sequence
 
 import gymnasium as gym
 import numpy as np
-from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium import spaces
+from gymnasium.vector import AutoresetMode, VectorEnv
 
 from marft.envs.base import PRIVATE_KEY, MultiAgentTextEnv
 
