@@ -5,6 +5,8 @@
 # --profile_path ORIG/marft/scripts/profiles/math_quartet.json, --max_new_tokens 128, --n_rollout_threads 16).
 # Usage (from the marft checkout of the development workspace): scripts/time_side_by_side_work.sh ORIG_DIR ALGO [flags]
 #   STEPS: env steps to run (default 40: 10 iterations of 4 envs; the first iteration is not timed).
+#   PROFILE_FROM=N: run it under torch.profiler from iteration N (scripts/profile_training.py) and print the top ops too
+#   (seconds and peak RSS then include the profiler's own work and records: use them for the op table only).
 # Prints one JSON line: rollout_s, iteration_s (means over the timed iterations), peak_rss_mib.
 set -euo pipefail
 ORIG=$(cd "$1" && pwd); ALGO=$2; shift 2
@@ -13,11 +15,13 @@ ANCHOR=$(cd ../shared/anchor && pwd); DATA=$(cd ../shared/data/MATH && pwd)/trai
 W=$("$PY" -c "import tempfile; print(tempfile.gettempdir())")/marft-side-by-side; mkdir -p "$W"
 [[ -f $W/tiny37/config.json ]] || "$PY" "$ANCHOR/make_model.py" "$W/tiny37" --hidden 256 --layers 4 >/dev/null
 rm -rf "$W/timed"
-OMP_NUM_THREADS=2 /usr/bin/time -v -o "$W/timed.time" "$PY" scripts/train_math.py --algorithm_name "$ALGO" \
+ENTRY=(scripts/train_math.py); [[ -n ${PROFILE_FROM:-} ]] && ENTRY=(scripts/profile_training.py --profile_from "$PROFILE_FROM")
+OMP_NUM_THREADS=2 /usr/bin/time -v -o "$W/timed.time" "$PY" "${ENTRY[@]}" --algorithm_name "$ALGO" \
   --n_agents 2 --n_rollout_threads 4 --episode_length 1 --max_new_tokens 32 --context_window 512 --ppo_epoch 1 \
   --num_mini_batch 1 --horizon 1 --num_env_steps "${STEPS:-40}" --seed 10 --model_name_or_path "$W/tiny37" \
   --profile_path "$ORIG/marft/scripts/profiles/math_dual.json" --dataset_path "$DATA" --dtype float32 --device cpu \
   --eval_episodes 2 --n_eval_threads 2 --update_on_constant_rewards true --output_dir "$W/timed" "$@" >"$W/timed.log" 2>&1
+[[ -n ${PROFILE_FROM:-} ]] && sed -n '/Name/,$p' "$W/timed.log" | grep -v "^USDT"
 RSS=$(awk '/Maximum resident/ {printf "%.0f", $6/1024}' "$W/timed.time")
 "$PY" - "$W/timed/logs" "$RSS" <<'PY'
 import glob, json, statistics, sys
