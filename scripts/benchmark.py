@@ -1,6 +1,8 @@
 """Benchmarks: does the team learn where the answer is known, and what does marft cost?
 
     python scripts/benchmark.py learning [--algorithm_name TPPO] [--agent_iteration_interval 128]
+    python scripts/benchmark.py learning --workflow orchestrated   # route: a trained orchestrator learns whom to call
+    python scripts/benchmark.py learning --env_name code          # generated f(x) code tasks, graded in the sandbox
     python scripts/benchmark.py rollout  [--model random --hidden_size 512 --num_layers 8]
     python scripts/benchmark.py update   [--algorithm_name TPPO]
     python scripts/benchmark.py iteration [--algorithm_name TPPO] [--n_agents 4] [--model random]
@@ -12,6 +14,11 @@
   the test split (``success_*``: (key, number) pairs never trained on) and on fresh episodes of the
   training tasks (``train_tasks_success_*``), and the wall time of training with its evaluations. It
   writes ``learning_curve.png`` (success rate and return per iteration) next to the TensorBoard logs.
+  ``--workflow orchestrated`` trains an orchestrator and two specialists on ``route`` (the orchestrator must call
+  whoever keeps the asked box) and also reports the orchestrator's calls per role before and after;
+  ``--env_name code`` trains a Reasoner -> Actor code team on the generated ``f(x)`` tasks (success: every
+  hidden test passes). Both run on ``marft-tiny-instruct``, the embedded model whose warm start knows the
+  orchestration tags and code (``marft.models.tiny_instruct``).
 * ``rollout``: tokens per second of the team's rollout (``Runner.collect``: every agent on every env,
   prompts encoded, replies sampled, log-probs scored, values computed) against plain
   ``model.generate`` of the same number of tokens on the same prompt batches, same LoRA adapter.
@@ -59,19 +66,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
     p.add_argument("--algorithm_name", default="APPO", choices=list(CHOICES["algorithm_name"]))
-    p.add_argument("--model", default="marft-tiny", help="marft-tiny, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape'")
+    p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape' "
+                   "(default: marft-tiny-instruct, whose warm start knows the tags and code, with --workflow orchestrated or --env_name code; else marft-tiny)")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
     p.add_argument("--n_agents", type=int, default=2, choices=sorted(PROFILES), help="team size (profile: see PROFILES)")
-    p.add_argument("--env_name", default=None, help="registered environment (default: relay_sum; route with --workflow orchestrated)")
+    p.add_argument("--env_name", default=None, help="registered environment (default: relay_sum; route with --workflow orchestrated; code runs the generated f(x) tasks)")
     p.add_argument("--workflow", default="auto", choices=list(CHOICES["workflow"]), help=field_docs(EnvConfig)["workflow"])
-    p.add_argument("--profile_path", default=None, help="agent profile (default: see PROFILES; route_orchestrated with --workflow orchestrated)")
+    p.add_argument("--profile_path", default=None, help="agent profile (default: see PROFILES; route_orchestrated with --workflow orchestrated; reasoner_actor_code with --env_name code)")
     p.add_argument("--max_turns", type=int, default=EnvConfig.max_turns, help=field_docs(EnvConfig)["max_turns"])
-    p.add_argument("--sft_steps", type=int, default=None, help="learning: supervised warm-start steps on the env's demonstrations before RL (default: 300 with --workflow orchestrated, else 0)")
+    p.add_argument("--sft_steps", type=int, default=0, help="learning: supervised warm-start steps of the adapters on the env's demonstrations before RL")
     p.add_argument("--n_rollout_threads", type=int, default=16, help="parallel envs")
     p.add_argument("--episode_length", type=int, default=2, help="team steps per env per iteration")
-    p.add_argument("--num_env_steps", type=int, default=12288, help="learning: env steps to train for (12288 = 384 iterations of 16 x 2)")
-    p.add_argument("--max_new_tokens", type=int, default=16)
+    p.add_argument("--num_env_steps", type=int, default=None, help="learning: env steps to train for (default 12288 = 384 iterations of 16 x 2; 4096 with --env_name code)")
+    p.add_argument("--max_new_tokens", type=int, default=None, help="reply budget in tokens (default: 24 with --env_name code, a program's length; else 16)")
     p.add_argument("--context_window", type=int, default=256)
     p.add_argument("--horizon", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -102,8 +110,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     orchestrated = args.workflow == "orchestrated"
     args.env_name = args.env_name or ("route" if orchestrated else "relay_sum")
-    args.profile_path = args.profile_path or ("route_orchestrated" if orchestrated else PROFILES[args.n_agents])
-    args.sft_steps = (300 if orchestrated else 0) if args.sft_steps is None else args.sft_steps
+    code = args.env_name == "code"
+    args.profile_path = args.profile_path or ("route_orchestrated" if orchestrated else "reasoner_actor_code" if code else PROFILES[args.n_agents])
+    args.model = args.model or ("marft-tiny-instruct" if orchestrated or code else "marft-tiny")
+    args.max_new_tokens = args.max_new_tokens or (24 if code else 16)
+    args.num_env_steps = args.num_env_steps or (4096 if code else 12288)
     return args
 
 
@@ -208,6 +219,35 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
     return path
 
 
+def route_calls(runner, args) -> dict:
+    """``right_calls_before`` / ``right_calls_after``: on ``route``, the share of held-out episodes whose first call names
+    the asked shelf's keeper (0.5 is routing at random), from the first and the last evaluation's transcripts."""
+    from marft.envs.route import SHELVES
+
+    keepers = [spec.role for spec in runner.team.profile if not spec.orchestrator][: len(SHELVES)]
+    evaluations = sorted((Path(args.output_dir) / "transcripts").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    if not evaluations:
+        return {}
+    return {"right_calls_before": keeper_calls(evaluations[0], keepers), "right_calls_after": keeper_calls(evaluations[-1], keepers)}
+
+
+def keeper_calls(transcripts: Path, keepers: list[str]) -> float | None:
+    """``route``: the share of an evaluation's episodes (``transcripts/eval_<iteration>.jsonl``) whose first orchestrator
+    reply calls the keeper of the asked shelf (``keepers[k]`` keeps shelf ``SHELVES[k]``); None for an empty file."""
+    import re
+
+    from marft.envs.route import SHELVES
+    from marft.workflows import CALL_TAG
+
+    episodes = [json.loads(line) for line in transcripts.read_text().splitlines() if line.strip()]
+    right = 0
+    for episode in episodes:
+        shelf = SHELVES.index(int(re.search(r"shelf (\d+)", episode["problem"]).group(1)))
+        call = CALL_TAG.search(episode["steps"][0][0]["text"])
+        right += bool(call) and call.group(1).strip() == keepers[shelf]
+    return right / len(episodes) if episodes else None
+
+
 def bench_learning(args) -> dict:
     """Train on the env's train split; report success on held-out episodes of the test split (tasks
     never trained on) and on fresh episodes of the training tasks, before and after."""
@@ -248,6 +288,7 @@ def bench_learning(args) -> dict:
         "seconds": round(seconds, 1),
         **({"calls_before": summary["orchestrator_calls_before"], "calls_after": summary["orchestrator_calls_after"]}
            if "orchestrator_calls_before" in summary else {}),
+        **(route_calls(runner, args) if args.env_name == "route" else {}),
         "iterations": summary["iterations"],
         "seed": args.seed,
         "run_dir": args.output_dir,

@@ -7,6 +7,7 @@ import torch
 from marft.agents.prompts import PromptEncoder
 from marft.config import ModelConfig, parse_config
 from marft.envs.profile import AgentSpec
+from marft.models.tiny_instruct import CHATML_TEMPLATE
 from marft.prompting import build_prompt, format_conversation, format_private, format_turn, handover_text
 from marft.sft import turn_examples
 
@@ -15,12 +16,8 @@ QWEN2_PATTERN = (
 )
 """Qwen2's pre-tokenizer split (newline runs are their own pieces, as in Llama-3's)."""
 
-CHATML = (
-    "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-"""Qwen2.5-Instruct's template without tools: a default system turn when the chat has none."""
+CHATML = CHATML_TEMPLATE
+"""Qwen2.5-Instruct's template without tools (the embedded marft-tiny-instruct's): a default system turn when the chat has none."""
 
 PROFILE = [AgentSpec("Reasoner", "", False), AgentSpec("Actor", "You are the Actor. Box the answer.", True)]
 """One agent without a role prompt (the template's default system turn), one with."""

@@ -306,9 +306,9 @@ def test_orchestrated_and_graph_runs_write_per_role_diagnostics_and_transcripts(
         events = EventAccumulator(str(run / "logs"))
         events.Reload()
         tags = events.Tags()["scalars"]
-        roles = ["Reasoner", "Actor", "Orchestrator"] if name == "orchestrated" else ["Solver A", "Solver B", "Verifier"]
+        roles = ["Keeper 1", "Keeper 2", "Orchestrator"] if name == "orchestrated" else ["Solver A", "Solver B", "Verifier"]
         assert all(f"roles/{role}/reply_tokens" in tags for role in roles), tags
         if name == "orchestrated":
-            assert "eval_orchestrator/calls_per_step_Reasoner" in tags and "orchestrator/calls_per_step_Actor" in tags
+            assert "eval_orchestrator/calls_per_step_Keeper 1" in tags and "orchestrator/calls_per_step_Keeper 2" in tags
             summary = json.loads((run / "summary.json").read_text())
-            assert set(summary["orchestrator_calls_after"]) == {"Reasoner", "Actor", "Orchestrator", "invalid"}
+            assert set(summary["orchestrator_calls_after"]) == {"Keeper 1", "Keeper 2", "Orchestrator", "invalid"}

@@ -28,24 +28,26 @@ def looks_like_local_path(name: str) -> bool:
 
 def check_model_path(name: str) -> None:
     """Fail with one clear line when a local model directory is missing (before anything is loaded)."""
-    from marft.models.tiny import TINY_MODEL_NAME
+    from marft.models.tiny import TINY_MODEL_NAME, embedded_recipe
+    from marft.models.tiny_instruct import INSTRUCT_MODEL_NAME
 
-    if name == TINY_MODEL_NAME:
+    if embedded_recipe(name) is not None:
         return
     path = os.path.expanduser(name)
     if looks_like_local_path(name) and not os.path.isdir(path):
         raise FileNotFoundError(
             f"model directory {name!r} does not exist; pass --model_name_or_path with a local Hugging Face "
-            f"model folder, a hub name, or {TINY_MODEL_NAME!r} for the embedded tiny model"
+            f"model folder, a hub name, or {TINY_MODEL_NAME!r} / {INSTRUCT_MODEL_NAME!r} for the embedded tiny models"
         )
 
 
 def resolve_model_path(name: str) -> str:
-    """The embedded tiny model is built (once) and cached; anything else is passed to Hugging Face."""
-    from marft.models.tiny import TINY_MODEL_NAME, ensure_tiny_model
+    """The embedded tiny models are built (once) and cached; anything else is passed to Hugging Face."""
+    from marft.models.tiny import embedded_recipe, ensure_tiny_model
 
     check_model_path(name)
-    return ensure_tiny_model() if name == TINY_MODEL_NAME else os.path.expanduser(name)
+    recipe = embedded_recipe(name)
+    return ensure_tiny_model(recipe=recipe) if recipe is not None else os.path.expanduser(name)
 
 
 def load_base_model(config: ModelConfig):

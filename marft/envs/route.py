@@ -1,26 +1,34 @@
 """``RouteEnv``: an orchestration toy task with a known optimum (registered as ``route``).
 
-Two specialists keep boxes: the Reasoner the red ones, the Actor the blue ones (their descriptions say so in the
-orchestrator's prompt). The team is asked what a box holds; only the specialist who keeps it sees its number,
-in its private observation. An orchestrator must call that specialist, then end the step::
+Two specialists keep boxes on two shelves: the first keeps shelf 1, the second shelf 2 (``Keeper 1`` and
+``Keeper 2`` in the shipped profile; their descriptions say so in the orchestrator's prompt). The team is asked
+what a box holds; only the specialist who keeps its shelf sees its number, in its private observation. An
+orchestrator must call that specialist, then end the step::
 
-    Orchestrator's prompt                        the specialist it called
-    <role header: the specialists and whom       <Reasoner role header>
-     they keep>                                  red box 7 holds 42
-    Problem: What does red box 7 hold?
-    Orchestrator:                                Problem: What does red box 7 hold?
-     -> "<call>Reasoner</call>"                   Orchestrator: <call>Reasoner</call>
-                                                 Host: Now it is Reasoner's turn.
-                                                 Reasoner: -> "\\boxed{42}"
+    Orchestrator's prompt                          the specialist it called
+    <role header: the specialists and which        <Keeper 1's role header>
+     shelf each keeps>                             box 7 on shelf 1 holds 42
+    Problem: What does box 7 on shelf 1 hold?
+    Orchestrator:                                  Problem: What does box 7 on shelf 1 hold?
+     -> "It is on shelf 1. <call>Keeper 1</call>"  Orchestrator: It is on shelf 1. <call>Keeper 1</call>
+                                                   Host: Now it is Keeper 1's turn.
+                                                   Keeper 1: -> "\\boxed{42}"
     ... Orchestrator: -> "<done/>"  graded: the team's latest boxed answer is 42 → 1.0 for every agent
 
-* Optimum: 100 % (call the keeper of the asked colour, then ``<done/>``).
+* Optimum: 100 % (call the keeper of the asked shelf, then ``<done/>``).
 * Routing at random succeeds at most half the time: the other specialist never sees the number (it holds
   one of 90 two-digit numbers), so only the right call can answer.
-* The (colour, box) tasks are split once, with a fixed seed and stratified by colour, into ``train`` and
-  ``test``; evaluation is on boxes never trained on, so what carries over is the rule (colour → keeper).
-* ``demonstrations(n)`` gives transcripts of the format with routing at random (the keepers answer right,
-  the other says it does not keep the box): a warm start that knows the protocol but not whom to call.
+* The (shelf, box) tasks are split once, with a fixed seed and stratified by shelf, into ``train`` and
+  ``test``; evaluation is on boxes never trained on, so what carries over is the rule (shelf → keeper).
+* ``demonstrations(n)`` gives transcripts of the format with routing at random: the orchestrator reasons in one
+  sentence that names the asked shelf, then calls a specialist drawn at random (``"It is on shelf 1.
+  <call>Keeper 2</call>"``); the keeper answers right, the other says it does not keep that shelf. A warm start
+  that knows the protocol but not whom to call: RL must learn the rule "call the keeper of the asked shelf".
+* The shipped profile numbers the keepers like the shelves, so a model that can copy the asked shelf's digit
+  into its call can learn the rule; the embedded ``marft-tiny-instruct`` copies digits from a problem (its
+  arithmetic warm start taught it), which it does not do with words (with red and blue boxes it never learned
+  to route, the README's Workflows section says more). A profile with other names works unchanged: the keepers
+  are its first two specialists.
 """
 
 from __future__ import annotations
@@ -35,42 +43,42 @@ from marft.envs.math.grader import last_boxed
 from marft.envs.profile import AgentSpec, team_profile
 from marft.prompting import HOST_ROLE, handover_text
 
-COLOURS = ("red", "blue")
-"""Box colours; specialist k (profile order) keeps the boxes of colour k."""
+SHELVES = (1, 2)
+"""Shelf labels; specialist k (profile order) keeps the boxes on shelf ``SHELVES[k]``."""
 
 
 @dataclass(frozen=True)
 class RouteState(EpisodeState):
     """An ``EpisodeState`` that also holds the asked box and its hidden number."""
 
-    colour: int = 0
-    """Index into ``COLOURS`` of the asked box (= the index of the specialist who keeps it)."""
+    shelf: int = 0
+    """Index into ``SHELVES`` of the asked box's shelf (= the index of the specialist who keeps it)."""
     box: int = 0
     """The box number."""
     number: int = 0
     """What the box holds (the answer)."""
 
 
-def route_problem(colour: int, box: int, number: int) -> dict:
-    """One task: ``problem`` (public text), ``answer`` (``str(number)``), ``colour``, ``box``, ``number``."""
-    return {"problem": f"What does {COLOURS[colour]} box {box} hold?", "answer": str(number), "colour": colour, "box": box, "number": number}
+def route_problem(shelf: int, box: int, number: int) -> dict:
+    """One task: ``problem`` (public text), ``answer`` (``str(number)``), ``shelf`` (index), ``box``, ``number``."""
+    return {"problem": f"What does box {box} on shelf {SHELVES[shelf]} hold?", "answer": str(number), "shelf": shelf, "box": box, "number": number}
 
 
-def keeper_observation(colour: int, box: int, number: int) -> str:
-    """What only the keeper of the box sees: ``"<colour> box <box> holds <number>"``."""
-    return f"{COLOURS[colour]} box {box} holds {number}"
+def keeper_observation(shelf: int, box: int, number: int) -> str:
+    """What only the keeper of the box sees: ``"box <box> on shelf <shelf> holds <number>"``."""
+    return f"box {box} on shelf {SHELVES[shelf]} holds {number}"
 
 
 def route_tasks(split: str = "train", n_boxes: int = 20, test_fraction: float = 0.2, seed: int = 0) -> list[tuple[int, int]]:
-    """The ``(colour, box)`` tasks of one split, in a seeded order; each colour holds out the same share of its boxes."""
+    """The ``(shelf, box)`` tasks of one split, in a seeded order; each shelf holds out the same share of its boxes."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     rng = np.random.default_rng(seed)
     n_test = max(1, int(round(test_fraction * n_boxes)))
     tasks = []
-    for colour in range(len(COLOURS)):
+    for shelf in range(len(SHELVES)):
         held_out = set(int(b) + 1 for b in rng.permutation(n_boxes)[:n_test])
-        tasks += [(colour, box) for box in range(1, n_boxes + 1) if (box in held_out) == (split == "test")]
+        tasks += [(shelf, box) for box in range(1, n_boxes + 1) if (box in held_out) == (split == "test")]
     return [tasks[i] for i in rng.permutation(len(tasks))]
 
 
@@ -80,20 +88,20 @@ class RouteEnv(MultiAgentTextEnv):
     Args:
         split: ``"train"`` or ``"test"`` (disjoint sets of boxes).
         profile: profile path or shipped name, or a list of ``AgentSpec``; default ``route_orchestrated``:
-            two specialists (the keepers of red and blue boxes, in that order) and an orchestrator.
+            two specialists (the keepers of shelves 1 and 2, in that order) and an orchestrator.
         n_agents: expected team size (checked against the profile).
         horizon: attempts per episode.
-        n_boxes: boxes per colour.
-        test_fraction: share of each colour's boxes held out in the ``test`` split.
+        n_boxes: boxes per shelf.
+        test_fraction: share of each shelf's boxes held out in the ``test`` split.
     """
 
     def __init__(self, split: str = "train", profile: str | Path | list[AgentSpec] | None = "route_orchestrated",
                  n_agents: int | None = None, horizon: int = 1, n_boxes: int = 20, test_fraction: float = 0.2):
         self.profile = team_profile(profile, n_agents)
         super().__init__([spec.role for spec in self.profile], horizon=horizon)
-        self.keepers = [n for n, spec in enumerate(self.profile) if not spec.orchestrator][: len(COLOURS)]
-        if len(self.keepers) < len(COLOURS):
-            raise ValueError(f"route needs {len(COLOURS)} specialists (the keepers of {' and '.join(COLOURS)} boxes), the profile has {len(self.keepers)}")
+        self.keepers = [n for n, spec in enumerate(self.profile) if not spec.orchestrator][: len(SHELVES)]
+        if len(self.keepers) < len(SHELVES):
+            raise ValueError(f"route needs {len(SHELVES)} specialists (the keepers of shelves {' and '.join(map(str, SHELVES))}), the profile has {len(self.keepers)}")
         self.tasks = route_tasks(split, n_boxes, test_fraction)
 
     @property
@@ -101,21 +109,21 @@ class RouteEnv(MultiAgentTextEnv):
         return len(self.tasks)
 
     def sample_task(self, options: dict | None) -> dict:
-        colour, box = self.tasks[self.choose_task(options)]
-        return route_problem(colour, box, int(self.np_random.integers(10, 100)))
+        shelf, box = self.tasks[self.choose_task(options)]
+        return route_problem(shelf, box, int(self.np_random.integers(10, 100)))
 
     def initial_state(self, task: dict) -> RouteState:
         base = super().initial_state(task)
         return RouteState(problem=base.problem, answer=base.answer, history=base.history,
-                          colour=int(task["colour"]), box=int(task["box"]), number=int(task["number"]))
+                          shelf=int(task["shelf"]), box=int(task["box"]), number=int(task["number"]))
 
     def private_observations(self) -> list[str]:
-        """The keeper of the asked box sees ``"<colour> box <k> holds <number>"``; nobody else sees anything."""
+        """The keeper of the asked box sees ``"box <k> on shelf <s> holds <number>"``; nobody else sees anything."""
         if self.episode is None:
             raise RuntimeError("call reset() first")
         seen = [""] * self.n_agents
         state = self.episode
-        seen[self.keepers[state.colour]] = keeper_observation(state.colour, state.box, state.number)
+        seen[self.keepers[state.shelf]] = keeper_observation(state.shelf, state.box, state.number)
         return seen
 
     def evaluate(self, state: RouteState, actions: tuple[str, ...]) -> StepOutcome:
@@ -132,15 +140,15 @@ class RouteEnv(MultiAgentTextEnv):
         orchestrator = next(n for n, spec in enumerate(self.profile) if spec.orchestrator)
         out = []
         for _ in range(n):
-            colour, box = self.tasks[int(self.np_random.integers(len(self.tasks)))]
+            shelf, box = self.tasks[int(self.np_random.integers(len(self.tasks)))]
             number = int(self.np_random.integers(10, 100))
-            called = self.keepers[int(self.np_random.integers(len(COLOURS)))]
+            called = self.keepers[int(self.np_random.integers(len(SHELVES)))]
             role = self.roles[called]
-            reply = f"\\boxed{{{number}}}" if called == self.keepers[colour] else f"I do not keep {COLOURS[colour]} boxes."
+            reply = f"\\boxed{{{number}}}" if called == self.keepers[shelf] else f"I do not keep shelf {SHELVES[shelf]}."
             out.append({
-                "problem": route_problem(colour, box, number)["problem"],
-                "private": {self.roles[self.keepers[colour]]: keeper_observation(colour, box, number)},
-                "turns": [{"role": self.roles[orchestrator], "text": f"<call>{role}</call>"},
+                "problem": route_problem(shelf, box, number)["problem"],
+                "private": {self.roles[self.keepers[shelf]]: keeper_observation(shelf, box, number)},
+                "turns": [{"role": self.roles[orchestrator], "text": f"It is on shelf {SHELVES[shelf]}. <call>{role}</call>"},
                           {"role": HOST_ROLE, "text": handover_text(role)},
                           {"role": role, "text": reply},
                           {"role": self.roles[orchestrator], "text": "<done/>"}],

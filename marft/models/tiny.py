@@ -45,6 +45,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -105,13 +106,31 @@ class TinyRecipe:
     version: int = 2
     """Bump to force a rebuild when the code below changes (2: built in a child with pinned numerics)."""
 
+    name: ClassVar[str] = TINY_MODEL_NAME
+    """The ``--model_name_or_path`` that builds this recipe; it also starts the cache folder's name."""
+
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:12]
 
+    def make_tokenizer(self):
+        """The model's tokenizer, trained on :func:`_corpus_texts` (profiles and warm-start transcripts)."""
+        return train_tokenizer(_corpus_texts(self.seed), self.vocab_size)
+
+    def warm_start_encoders(self, tokenizer) -> dict:
+        """Profile name → the ``PromptEncoder`` its warm-start transcripts are written with."""
+        return {"reasoner_actor": warm_start_prompts(tokenizer)}
+
+    def epoch_examples(self, encoders: dict, eos_id: int, rng) -> list:
+        """One epoch of warm-start ``TurnExample``s (fresh noisy labels drawn with ``rng``)."""
+        from marft.sft import turn_examples
+
+        return turn_examples(encoders["reasoner_actor"], warm_start_transcripts(self, rng), eos_id=eos_id)
+
 
 # ---------------------------------------------------------------------- tokenizer and model
-def train_tokenizer(texts, vocab_size: int = 1024):
-    """A byte-level BPE tokenizer with single-digit tokens and ``<|endoftext|>`` as EOS and PAD."""
+def train_tokenizer(texts, vocab_size: int = 1024, special_tokens: tuple[str, ...] = (EOS,), eos_token: str = EOS, chat_template: str | None = None):
+    """A byte-level BPE tokenizer with single-digit tokens, ``<|endoftext|>`` as PAD and ``eos_token`` as EOS
+    (default ``<|endoftext|>`` too); ``special_tokens`` are never split (``<|endoftext|>`` first)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -121,10 +140,13 @@ def train_tokenizer(texts, vocab_size: int = 1024):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        vocab_size=vocab_size, special_tokens=list(special_tokens), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
     tok.train_from_iterator(list(texts), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=EOS, clean_up_tokenization_spaces=False)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def _qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
@@ -271,10 +293,10 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
 
     The same code path as a team's warm start (``marft.sft``: ``turn_examples``, ``collate_turns``,
     ``reply_loss``), on every weight of the model rather than on LoRA adapters."""
-    from marft.sft import collate_turns, reply_loss, turn_examples
+    from marft.sft import collate_turns, reply_loss
 
     rng = np.random.default_rng(recipe.seed)
-    prompts = warm_start_prompts(tokenizer)
+    encoders = recipe.warm_start_encoders(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.sft_lr, weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + np.cos(np.pi * min(s / recipe.sft_steps, 1.0))))
     examples: list = []
@@ -282,7 +304,7 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
     loss_value = float("nan")
     for step in range(recipe.sft_steps):
         if len(examples) < recipe.sft_batch_size:
-            examples = turn_examples(prompts, warm_start_transcripts(recipe, rng), eos_id=tokenizer.eos_token_id)
+            examples = recipe.epoch_examples(encoders, tokenizer.eos_token_id, rng)
             examples = [examples[i] for i in rng.permutation(len(examples))]
         batch, examples = examples[: recipe.sft_batch_size], examples[recipe.sft_batch_size :]
         loss = reply_loss(model, *collate_turns(batch, tokenizer.pad_token_id))
@@ -317,7 +339,8 @@ def build_tiny_model(path: str, recipe: TinyRecipe = TinyRecipe()) -> str:
     env = {**os.environ, **PINNED_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGE_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     entry = "import sys; from marft.models.tiny import _build_in_this_process_main; _build_in_this_process_main(sys.argv[1:])"
-    command = [sys.executable, "-c", entry, path, json.dumps(dataclasses.asdict(recipe))]
+    recipe_class = f"{type(recipe).__module__}:{type(recipe).__qualname__}"
+    command = [sys.executable, "-c", entry, path, json.dumps(dataclasses.asdict(recipe)), recipe_class]
     tail: collections.deque = collections.deque(maxlen=25)
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -338,11 +361,14 @@ def build_tiny_model(path: str, recipe: TinyRecipe = TinyRecipe()) -> str:
 
 
 def _build_in_this_process_main(argv: list[str]) -> None:
-    """The child's entry point: ``argv = [path, recipe as JSON]``; pins torch, then builds."""
+    """The child's entry point: ``argv = [path, recipe as JSON, "module:RecipeClass"]``; pins torch, then builds."""
+    import importlib
+
     logging.basicConfig(level=logging.INFO, format=_CHILD_LOG_PREFIX + "%(message)s", stream=sys.stdout)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    path, recipe = argv[0], TinyRecipe(**json.loads(argv[1]))
+    module, _, class_name = argv[2].partition(":")
+    path, recipe = argv[0], getattr(importlib.import_module(module), class_name)(**json.loads(argv[1]))
     _build_in_this_process(path, recipe)
 
 
@@ -356,7 +382,7 @@ def _build_in_this_process(path: str, recipe: TinyRecipe) -> str:
     from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(recipe.seed)
-    tokenizer = train_tokenizer(_corpus_texts(recipe.seed), recipe.vocab_size)
+    tokenizer = recipe.make_tokenizer()
     model = Qwen2ForCausalLM(_qwen2_config(tokenizer, recipe.hidden_size, recipe.num_layers, recipe.num_heads))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     loss = _warm_start(model, tokenizer, recipe)
@@ -368,7 +394,7 @@ def _build_in_this_process(path: str, recipe: TinyRecipe) -> str:
         "threads": torch.get_num_threads(), **{name: os.environ.get(name) for name in ("MKL_CBWR", "ATEN_CPU_CAPABILITY")},
     }
     Path(path, "marft_recipe.json").write_text(
-        json.dumps({**dataclasses.asdict(recipe), "final_sft_loss": loss, "built_with": numerics}, indent=2)
+        json.dumps({"name": recipe.name, **dataclasses.asdict(recipe), "final_sft_loss": loss, "built_with": numerics}, indent=2)
     )
     return path
 
@@ -379,11 +405,11 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
     Args:
         cache_dir: default ``$MARFT_CACHE`` or ``~/.cache/marft``.
         rebuild: build again even when cached.
-        recipe: what to build (its hash names the folder).
+        recipe: what to build (its name and hash name the folder; :func:`embedded_recipe` gives the shipped ones).
     """
     root = Path(cache_dir or os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{TINY_MODEL_NAME}-{recipe.digest()}"
+    final = root / f"{recipe.name}-{recipe.digest()}"
     with open(root / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the folder built
         if final.is_dir() and not rebuild:
@@ -391,7 +417,7 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
         tmp = root / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         start = time.perf_counter()
-        logger.info("building the embedded tiny model into %s (once; cached afterwards)", final)
+        logger.info("building the embedded model %s into %s (once; cached afterwards)", recipe.name, final)
         try:
             build_tiny_model(str(tmp), recipe)
         except BaseException:
@@ -400,5 +426,12 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        logger.info("built the embedded tiny model in %.0fs", time.perf_counter() - start)
+        logger.info("built the embedded model %s in %.0fs", recipe.name, time.perf_counter() - start)
     return str(final)
+
+
+def embedded_recipe(name: str) -> TinyRecipe | None:
+    """The recipe of a shipped embedded model (``marft-tiny``, ``marft-tiny-instruct``), None for any other name."""
+    from marft.models.tiny_instruct import InstructRecipe
+
+    return {recipe.name: recipe for recipe in (TinyRecipe(), InstructRecipe())}.get(name)
