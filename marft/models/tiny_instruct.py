@@ -20,8 +20,11 @@ code learning benchmarks run on this one.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import ClassVar
+
+import numpy as np
 
 from marft.models.tiny import EOS, TinyRecipe, _corpus_texts, train_tokenizer, warm_start_transcripts
 
@@ -118,10 +121,6 @@ def epoch_transcripts(recipe: InstructRecipe, rng) -> dict[str, list[dict]]:
 def _instruct_corpus(recipe: InstructRecipe) -> list[str]:
     """The tokenizer's corpus: ``marft-tiny``'s, the warm-start teams' role prompts, and one epoch of their
     transcripts written as ChatML turns (the template's words and markers, code, the orchestration tags)."""
-    import json
-
-    import numpy as np
-
     from marft.envs.profile import load_profile
     from marft.prompting import format_problem, format_turn, handover_text
 
