@@ -113,8 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     code = args.env_name == "code"
     args.profile_path = args.profile_path or ("route_orchestrated" if orchestrated else "reasoner_actor_code" if code else PROFILES[args.n_agents])
     args.model = args.model or ("marft-tiny-instruct" if orchestrated or code else "marft-tiny")
-    args.max_new_tokens = args.max_new_tokens or (24 if code else 16)
-    args.num_env_steps = args.num_env_steps or (4096 if code else 12288)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 24 if code else 16
+    if args.num_env_steps is None:
+        args.num_env_steps = 4096 if code else 12288
     return args
 
 
@@ -220,32 +222,24 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
 
 
 def route_calls(runner, args) -> dict:
-    """``right_calls_before`` / ``right_calls_after``: on ``route``, the share of held-out episodes whose first call names
-    the asked shelf's keeper (0.5 is routing at random), from the first and the last evaluation's transcripts."""
-    from marft.envs.route import SHELVES
+    """``right_calls_before`` / ``right_calls_after``: on ``route``, the share of held-out episodes whose first
+    orchestrator reply calls the keeper of the asked shelf (0.5 is routing at random), read from the first and the
+    last evaluation's transcripts (``transcripts/eval_<iteration>.jsonl``)."""
+    from marft.envs.route import RouteEnv, asked_shelf
+    from marft.workflows import workflow_for
 
-    keepers = [spec.role for spec in runner.team.profile if not spec.orchestrator][: len(SHELVES)]
+    keepers = RouteEnv(profile=runner.team.profile).keepers  # keepers[k]: the agent who keeps shelf k
+    parse = workflow_for(runner.team.profile, "orchestrated").parse
+
+    def right_share(path: Path) -> float | None:
+        episodes = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        right = sum(parse(e["steps"][0][0]["text"]) == keepers[asked_shelf(e["problem"])] for e in episodes)
+        return right / len(episodes) if episodes else None
+
     evaluations = sorted((Path(args.output_dir) / "transcripts").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
     if not evaluations:
         return {}
-    return {"right_calls_before": keeper_calls(evaluations[0], keepers), "right_calls_after": keeper_calls(evaluations[-1], keepers)}
-
-
-def keeper_calls(transcripts: Path, keepers: list[str]) -> float | None:
-    """``route``: the share of an evaluation's episodes (``transcripts/eval_<iteration>.jsonl``) whose first orchestrator
-    reply calls the keeper of the asked shelf (``keepers[k]`` keeps shelf ``SHELVES[k]``); None for an empty file."""
-    import re
-
-    from marft.envs.route import SHELVES
-    from marft.workflows import CALL_TAG
-
-    episodes = [json.loads(line) for line in transcripts.read_text().splitlines() if line.strip()]
-    right = 0
-    for episode in episodes:
-        shelf = SHELVES.index(int(re.search(r"shelf (\d+)", episode["problem"]).group(1)))
-        call = CALL_TAG.search(episode["steps"][0][0]["text"])
-        right += bool(call) and call.group(1).strip() == keepers[shelf]
-    return right / len(episodes) if episodes else None
+    return {"right_calls_before": right_share(evaluations[0]), "right_calls_after": right_share(evaluations[-1])}
 
 
 def bench_learning(args) -> dict:

@@ -16,6 +16,7 @@ from marft.models.tiny import TinyRecipe, embedded_recipe, ensure_tiny_model
 from marft.models.tiny_instruct import (
     CHATML_TEMPLATE, INSTRUCT_MODEL_NAME, InstructRecipe, code_transcripts, epoch_transcripts, route_transcripts,
 )
+from marft.envs.route import asked_shelf
 from marft.workflows import OrchestratedWorkflow
 
 QUICK = InstructRecipe(hidden_size=32, num_layers=1, num_heads=2, sft_steps=2, sft_batch_size=4)
@@ -95,5 +96,6 @@ def test_route_transcripts_route_at_random_and_keepers_answer():
         calls[called] += 1
         right += "\\boxed{" in answer["text"]
         assert ("\\boxed{" in answer["text"]) == (answer["role"] in transcript["private"])  # only the keeper knows
+        assert list(transcript["private"]) == [("Keeper 1", "Keeper 2")[asked_shelf(transcript["problem"])]]
     assert abs(calls[0] - calls[1]) < 0.3 * len(transcripts)  # routing at random: the warm start does not tell whom to call
     assert 0.3 < right / len(transcripts) < 0.7

@@ -33,6 +33,7 @@ orchestrator must call that specialist, then end the step::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +63,14 @@ class RouteState(EpisodeState):
 def route_problem(shelf: int, box: int, number: int) -> dict:
     """One task: ``problem`` (public text), ``answer`` (``str(number)``), ``shelf`` (index), ``box``, ``number``."""
     return {"problem": f"What does box {box} on shelf {SHELVES[shelf]} hold?", "answer": str(number), "shelf": shelf, "box": box, "number": number}
+
+
+def asked_shelf(problem: str) -> int:
+    """The shelf index a :func:`route_problem` text asks about (``"What does box 7 on shelf 2 hold?"`` → 1)."""
+    match = re.search(r"on shelf (\d+) hold\?", problem)
+    if match is None or int(match.group(1)) not in SHELVES:
+        raise ValueError(f"not a route problem: {problem!r}")
+    return SHELVES.index(int(match.group(1)))
 
 
 def keeper_observation(shelf: int, box: int, number: int) -> str:

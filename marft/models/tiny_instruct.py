@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from marft.models.tiny import EOS, TinyRecipe, _corpus_texts, train_tokenizer, warm_start_transcripts
+from marft.models.tiny import EOS, MAX_POSITIONS, TinyRecipe, _corpus_texts, train_tokenizer, warm_start_transcripts
 
 INSTRUCT_MODEL_NAME = "marft-tiny-instruct"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -65,7 +65,6 @@ class InstructRecipe(TinyRecipe):
     def warm_start_encoders(self, tokenizer) -> dict:
         from marft.agents.prompts import PromptEncoder
         from marft.envs.profile import load_profile
-        from marft.models.tiny import MAX_POSITIONS
 
         return {name: PromptEncoder(tokenizer, load_profile(name), max_prompt_len=MAX_POSITIONS, chat_template="auto")
                 for name in WARM_START_PROFILES}
