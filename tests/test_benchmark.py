@@ -45,3 +45,26 @@ def test_iteration_bench_reports_time_and_memory(random_model_dir):
     assert result["bench"] == "iteration" and result["n_agents"] == 4
     assert result["seconds_per_iteration"] == pytest.approx(result["rollout_s"] + result["update_s"])
     assert result["peak_rss_mib"] > 0 and result["adapter_params_m"] > 0
+
+
+def load_benchmark_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("marft_benchmark_script", ROOT / "scripts" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_default_budgets_are_iterations_and_grpo_learns_on_more_groups():
+    bench = load_benchmark_module()
+    appo = bench.parse_args(["learning"])
+    assert (appo.n_rollout_threads, appo.num_env_steps) == (16, 384 * 16 * 2)  # 12288, as before
+    grpo = bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "4"])
+    assert (grpo.n_rollout_threads, grpo.num_env_steps) == (32, 384 * 32 * 2)  # 8 groups of 4, same 384 iterations
+    assert bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "2"]).n_rollout_threads == 16
+    assert bench.parse_args(["iteration", "--algorithm_name", "GRPO"]).n_rollout_threads == 16  # timings: APPO's settings
+    code = bench.parse_args(["learning", "--env_name", "code"])
+    assert code.num_env_steps == 4096
+    given = bench.parse_args(["learning", "--algorithm_name", "GRPO", "--n_rollout_threads", "8", "--num_env_steps", "64"])
+    assert (given.n_rollout_threads, given.num_env_steps) == (8, 64)
