@@ -4,7 +4,7 @@
 numerics) a small Qwen2-style LM whose tokenizer has ChatML special tokens and a Qwen2.5-Instruct-style chat
 template (:data:`CHATML_TEMPLATE`; EOS = ``<|im_end|>``), so ``--chat_template auto`` renders every agent's
 prompt as a chat, as it does for Qwen2.5-Instruct or Llama-3-Instruct. Its warm start is written through that
-template (``PromptEncoder`` with ``chat_template="auto"``) and covers four teams, each with noisy labels so
+template (``PromptEncoder`` with ``chat_template="auto"``) and covers three teams, each with noisy labels so
 that RL has something to improve:
 
 * ``reasoner_actor`` on the generated arithmetic and ``relay_sum`` (as ``marft-tiny``);
