@@ -184,7 +184,7 @@ class AlgoConfig:
     agent_iteration_interval: int = 0
     """Train one agent at a time, switching every this many environment steps, round-robin (0: all agents every iteration). Env steps, as in the original MARFT: its 1000 with 4 envs x 1 step switches every 250 iterations."""
     update_on_constant_rewards: bool = False
-    """Update the policies also on a batch whose rewards are all equal, as the original MARFT does (its advantages are then the critic's errors alone). Default: such a batch trains the critic only and is counted (counters/constant_reward_batches)."""
+    """Update the policies also on a batch that cannot rank replies, as the original MARFT does: all advantages zero, or all rewards equal on episodes that all ended (its advantages are then the critic's errors alone). Default: such a batch trains the critic only and is counted (counters/constant_reward_batches); equal rewards on episodes that go on still train the policies (the bootstrapped values rank the replies)."""
     max_consecutive_skips: int = 10
     """Stop training (pointing to the last good checkpoint) once one optimizer has skipped this many minibatches in a row for a non-finite loss or gradient (0: never stop)."""
 

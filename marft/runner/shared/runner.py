@@ -139,7 +139,7 @@ class Runner:
             )
             next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
             for batch in played:
-                buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows])
+                buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows], layer=batch.moment)
                 next_slot[batch.rows] += 1
                 tokens += int(batch.out.response_mask.sum())
             invalid = self.diagnostics.count_step([bases[e].turns for e in rows])
