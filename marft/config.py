@@ -130,7 +130,7 @@ class AlgoConfig:
     algorithm_name: str = "APPO"
     """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one; GRPO: critic-free, group-relative (no critic at all)."""
     group_size: int = 4
-    """GRPO: complete team episodes of the same task per group (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
+    """GRPO: complete team episodes of the same task per group, at least 2 (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
     grpo_scale_rewards: bool = True
     """GRPO: divide each group's centred returns by the group's standard deviation (false: centre only)."""
     credit_assignment: str = "env"
@@ -199,6 +199,11 @@ class AlgoConfig:
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.algorithm_name == "GRPO" and self.group_size < 2:
+            raise ValueError(
+                f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
+                f"of one has no spread, every advantage is 0 and nothing is learned; use --group_size 2 or more (default 4)"
+            )
         for name in ("agent_iteration_interval", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
