@@ -298,6 +298,12 @@ class TrainConfig:
         """Training iterations (computed): one rollout batch and one update each."""
         return max(1, self.runner.num_env_steps // self.steps_per_iteration)
 
+    def iterations_after(self, iteration: int, env_steps: int) -> int:
+        """Training iterations in all (computed) of a run resumed after ``iteration`` iterations that collected
+        ``env_steps`` env steps: those plus the env steps left of ``num_env_steps`` at this run's rollout size (the
+        rollout size may have changed on resume; unchanged, this is :attr:`num_iterations`)."""
+        return iteration + max(0, self.runner.num_env_steps - env_steps) // self.steps_per_iteration
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

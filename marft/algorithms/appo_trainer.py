@@ -77,12 +77,18 @@ class APPOTrainer:
         return self.critic_optimizers.get(CRITIC_ADAPTER)
 
     # ------------------------------------------------------------------ schedule
+    schedule_origin: tuple[int, int] = (0, 0)
+    """``(iteration, env steps collected before it)`` the schedule counts from: a resumed run sets the checkpoint's,
+    so a rollout size changed on resume counts only the iterations after it at the new size."""
+
     def agents_to_train(self, iteration: int) -> list[int]:
         """Agents whose policy is updated at ``iteration`` (0-based), as the original MARFT decides it from
         the env steps collected once this iteration's rollout is in: none before ``warmup_steps``, then all
         agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone (the round-robin includes
-        an orchestrator, unless ``--train_orchestrator false`` leaves it out)."""
-        env_steps = (iteration + 1) * self.steps_per_iteration
+        an orchestrator, unless ``--train_orchestrator false`` leaves it out). The env steps are those of the
+        iterations before :attr:`schedule_origin` (as collected) plus this run's since."""
+        origin_iteration, origin_steps = self.schedule_origin
+        env_steps = origin_steps + (iteration - origin_iteration + 1) * self.steps_per_iteration
         if env_steps < self.config.warmup_steps:
             return []
         trainable = list(range(self.team.n_agents))
