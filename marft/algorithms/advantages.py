@@ -329,7 +329,7 @@ def chain_rewards(
     token-level GAE, a reply's credit is its return at its last token, and its first token, which the previous
     reply bootstraps from, returns ``token_gamma^(length - 1)`` of it. Slots outside ``played`` (default: all)
     get reward 0 and are skipped."""
-    T, E, S = credits.shape
+    S = credits.shape[-1]
     played = torch.ones_like(credits, dtype=torch.bool) if played is None else played.bool()
     layers = slot_layers(credits.shape, credits.device) if layers is None else layers
     reached = credits if reach is None else credits * reach  # (T, E, S): what each turn's predecessor bootstraps from
