@@ -130,7 +130,7 @@ class AlgoConfig:
     algorithm_name: str = "APPO"
     """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one; GRPO: critic-free, group-relative (no critic at all)."""
     group_size: int = 4
-    """GRPO: complete team episodes of the same task per group (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
+    """GRPO: complete team episodes of the same task per group, at least 2 (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
     grpo_scale_rewards: bool = True
     """GRPO: divide each group's centred returns by the group's standard deviation (false: centre only)."""
     credit_assignment: str = "env"
@@ -184,7 +184,7 @@ class AlgoConfig:
     agent_iteration_interval: int = 0
     """Train one agent at a time, switching every this many environment steps, round-robin (0: all agents every iteration). Env steps, as in the original MARFT: its 1000 with 4 envs x 1 step switches every 250 iterations."""
     update_on_constant_rewards: bool = False
-    """Update the policies also on a batch whose rewards are all equal, as the original MARFT does (its advantages are then the critic's errors alone). Default: such a batch trains the critic only and is counted (counters/constant_reward_batches)."""
+    """Update the policies also on a batch that cannot rank replies, as the original MARFT does: all advantages zero, or all rewards equal on episodes that all ended (its advantages are then the critic's errors alone). Default: such a batch trains the critic only and is counted (counters/constant_reward_batches); equal rewards on episodes that go on still train the policies (the bootstrapped values rank the replies)."""
     max_consecutive_skips: int = 10
     """Stop training (pointing to the last good checkpoint) once one optimizer has skipped this many minibatches in a row for a non-finite loss or gradient (0: never stop)."""
 
@@ -199,6 +199,11 @@ class AlgoConfig:
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if self.algorithm_name == "GRPO" and self.group_size < 2:
+            raise ValueError(
+                f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
+                f"of one has no spread, every advantage is 0 and nothing is learned; use --group_size 2 or more (default 4)"
+            )
         for name in ("agent_iteration_interval", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -292,6 +297,12 @@ class TrainConfig:
     def num_iterations(self) -> int:
         """Training iterations (computed): one rollout batch and one update each."""
         return max(1, self.runner.num_env_steps // self.steps_per_iteration)
+
+    def iterations_after(self, iteration: int, env_steps: int) -> int:
+        """Training iterations in all (computed) of a run resumed after ``iteration`` iterations that collected
+        ``env_steps`` env steps: those plus the env steps left of ``num_env_steps`` at this run's rollout size (the
+        rollout size may have changed on resume; unchanged, this is :attr:`num_iterations`)."""
+        return iteration + max(0, self.runner.num_env_steps - env_steps) // self.steps_per_iteration
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -155,12 +155,14 @@ def check_work_left(config: TrainConfig) -> None:
 
     Raises:
         FileNotFoundError: ``--load_path`` holds no complete checkpoint.
-        ValueError: the checkpoint already reached ``config.num_iterations``.
+        ValueError: the checkpoint already collected ``--num_env_steps`` (less than one iteration is left).
     """
     from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state
 
     checkpoint = find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory's latest
-    done, total = int(read_trainer_state(checkpoint)["iteration"]), config.num_iterations
+    state = read_trainer_state(checkpoint)
+    done = int(state["iteration"])
+    total = config.iterations_after(done, int(state.get("env_steps", done * config.steps_per_iteration)))
     if done >= total:
         rc = config.runner
         per_iteration = rc.episode_length * rc.n_rollout_threads

@@ -194,6 +194,24 @@ def test_load_path_run_directory_takes_latest_complete_checkpoint(trained_run, t
         find_checkpoint(tmp_path)
 
 
+def test_a_resume_with_another_rollout_size_counts_the_schedule_in_env_steps(random_model_dir, tmp_path):
+    """2 iterations of 2 envs (4 env steps), then a resume with 4 envs and --num_env_steps 12: 2 more iterations
+    (8 env steps left at 4 a time), and the agent schedule (--agent_iteration_interval 4 env steps) goes on from the
+    4 env steps collected: iteration 2 ends at 8 (agent 0), iteration 3 at 12 (agent 1). Before, both were counted
+    as if every past iteration had had 4 envs: 3 iterations in all (12 // 4) and agent 1 at iteration 2 (issue 30)."""
+    run = tmp_path / "run"
+    assert main(flags(random_model_dir, 2, run, "--agent_iteration_interval", "4", "--save_interval", "1")) == 0
+    assert main(["--load_path", str(run), "--n_rollout_threads", "4", "--num_env_steps", "12"]) == 0
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["steps_1", "steps_2", "steps_3", "steps_4"]
+    states = {i: json.loads((checkpoints / f"steps_{i}" / "trainer_state.json").read_text()) for i in (2, 3, 4)}
+    assert [states[i]["env_steps"] for i in (2, 3, 4)] == [4, 8, 12]
+    before, after = weights(checkpoints / "steps_2"), weights(checkpoints / "steps_3")
+    moved = {name.split("/")[0] for name in before if not torch.equal(before[name], after[name])}
+    assert moved == {"reasoner", "critic", "value_head.safetensors"}  # iteration 2 trained agent 0 alone (and the critic)
+    assert states[3]["next_agents"] == [1]
+
+
 def test_resuming_a_finished_run_says_nothing_is_left_to_train(trained_run, tmp_path, capsys):
     """A checkpoint at the last iteration with the same --num_env_steps: a clear error, not a run of 0 steps."""
     run = copy_run(trained_run, tmp_path)

@@ -272,18 +272,31 @@ def test_choice_flags_help_validation_and_benchmark_read_one_registry():
 
 
 @pytest.mark.parametrize("update_anyway", [False, True])
-def test_a_constant_reward_batch_moves_the_policies_only_with_update_on_constant_rewards(random_model_dir, update_anyway):
-    """A batch whose rewards are all equal trains the critic only and is counted; with
-    --update_on_constant_rewards the policies are updated on it too (the original MARFT's behaviour)."""
+@pytest.mark.parametrize("episodes", ["ended", "going_on", "grpo"])
+def test_a_batch_that_cannot_rank_replies_moves_the_policies_only_with_update_on_constant_rewards(random_model_dir, update_anyway, episodes):
+    """Equal rewards on episodes that all ended (every return the same, nothing bootstrapped), or all-zero
+    advantages (GRPO without reward variance): the batch trains the critic only and is counted; with
+    --update_on_constant_rewards the policies are updated on it too (the original MARFT's behaviour). Equal rewards
+    on a horizon-2 episode that goes on after step 0 are not skipped: the critic's values of the next state still
+    rank the replies (issue 30: the skip used to drop them)."""
     torch.manual_seed(0)
     team = make_team(random_model_dir)
-    trainer = trainer_class("APPO")(team, AlgoConfig(update_on_constant_rewards=update_anyway), steps_per_iteration=8)
-    buffer = fill_buffer(team, trainer=trainer)
+    algorithm = "GRPO" if episodes == "grpo" else "APPO"
+    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, update_on_constant_rewards=update_anyway), steps_per_iteration=8)
+    buffer = fill_buffer(team, trainer=trainer)  # 2 steps; the episodes end after step 1
+    if episodes == "ended":
+        buffer.terminated.fill_(True)
     buffer.agent_rewards.fill_(1.0)
     buffer.rewards = buffer.played.float()
     trainer.compute_advantages(buffer)
+    if algorithm == "APPO":
+        assert (buffer.values[1:] != 0).any() and (buffer.advantages != 0).any()
+    else:
+        assert (buffer.advantages == 0).all()
     before = {a: [p.detach().clone() for p in team.adapter_parameters(a)] for a in team.adapters}
     trainer.update(buffer, 0)
     moved = {a: any(not torch.equal(p, q) for p, q in zip(before[a], team.adapter_parameters(a))) for a in team.adapters}
-    assert moved == {"reasoner": update_anyway, "actor": update_anyway, "critic": True}
-    assert trainer.counters["constant_reward_batches"] == (0 if update_anyway else 1)
+    skipped = episodes != "going_on" and not update_anyway
+    stepped = not skipped and algorithm == "APPO"  # zero advantages (GRPO) give a zero gradient: an update moves nothing
+    assert moved == {"reasoner": stepped, "actor": stepped, "critic": algorithm == "APPO"}
+    assert trainer.counters["constant_reward_batches"] == int(skipped)

@@ -4,7 +4,11 @@ In MARFT the agents of a step act one after another, so a rollout is one chain o
 turns per environment: a turn bootstraps from the next turn of its environment
 (whoever speaks it; with the sequential workflow, agent i from agent i+1 and the
 last agent from agent 0 of the next step), and an episode end cuts the chain after
-the step's last turn. Episode ends follow gymnasium: a *terminated* episode has no
+the step's last turn. Turns of one parallel graph layer (``layers``: the same id for the turns of one
+moment of a step) do not bootstrap from each other: each bootstraps from the state after the whole
+layer (the next layer's turns, or the next step), and the turn before the layer bootstraps from the
+layer as a whole (the mean of its turns' values and advantages; a one-turn layer is that turn, so a
+chain of single turns is plain GAE). Episode ends follow gymnasium: a *terminated* episode has no
 future (its last turn bootstraps from nothing); a *truncated* one was cut short from
 outside (a time limit), so its last turn bootstraps from the value of the final
 observation, ``final_values``.
@@ -30,6 +34,48 @@ def _ended(terminated: torch.Tensor, truncated) -> torch.Tensor:
     return terminated.bool() if truncated is None else terminated.bool() | truncated.bool()
 
 
+class _LayerWalk:
+    """One team step walked backwards, slot by slot, for a batch of envs at once (any batch shape).
+
+    ``after`` holds, per env, what a turn bootstraps from (e.g. a value and an advantage): the state after the
+    turn's layer. Stepping back into a new layer makes the layer just walked the state after it, as the mean
+    of its turns' items (a one-turn layer: that turn's items, unchanged); :meth:`before` gives the state before
+    the step's first layer, which the previous step's last layer bootstraps from."""
+
+    def __init__(self, after: list[torch.Tensor]):
+        self.after = list(after)
+        self.sums = [torch.zeros_like(a) for a in after]
+        self.count = torch.zeros_like(after[0])
+        self.current = torch.full(after[0].shape, -1, dtype=torch.long, device=after[0].device)  # the layer being walked
+        self.new = torch.zeros(after[0].shape, dtype=torch.bool, device=after[0].device)
+
+    def enter(self, here: torch.Tensor, layer: torch.Tensor) -> list[torch.Tensor]:
+        """Step back to a slot (``here``: it holds a turn, ``layer``: its layer id); returns what it bootstraps from."""
+        self.new = here & (layer != self.current)
+        self.after = self._means(self.new & (self.count > 0))
+        self.current = torch.where(here, layer, self.current)
+        return self.after
+
+    def add(self, here: torch.Tensor, items: list[torch.Tensor]) -> None:
+        """Count the slot's turn (where ``here``) into its layer's sums."""
+        self.sums = [torch.where(self.new, x, torch.where(here, total + x, total)) for total, x in zip(self.sums, items)]
+        one = torch.ones_like(self.count)
+        self.count = torch.where(self.new, one, torch.where(here, self.count + one, self.count))
+
+    def before(self) -> list[torch.Tensor]:
+        """What the turn before the step's first layer bootstraps from (``after`` where the step has no turn)."""
+        return self._means(self.count > 0)
+
+    def _means(self, where: torch.Tensor) -> list[torch.Tensor]:
+        count = self.count.clamp(min=1)
+        return [torch.where(where, total / count, after) for total, after in zip(self.sums, self.after)]
+
+
+def slot_layers(shape: tuple[int, ...], device=None) -> torch.Tensor:
+    """``(T, E, S)`` layer ids of a chain: every slot its own layer (the sequential workflow)."""
+    return torch.arange(shape[-1], device=device).expand(shape)
+
+
 def agent_chain_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -39,6 +85,7 @@ def agent_chain_gae(
     truncated: torch.Tensor | None = None,
     final_values: torch.Tensor | None = None,
     played: torch.Tensor | None = None,
+    layers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns of every turn, along each environment's chain of turns.
 
@@ -52,6 +99,9 @@ def agent_chain_gae(
         final_values: ``(T, E)`` value of a truncated episode's final observation (its last turn's successor).
         played: ``(T, E, S)`` the slot holds a turn (None: all do). A turn bootstraps from the next played turn
             of its env, whoever speaks it; empty slots are skipped (advantage 0).
+        layers: ``(T, E, S)`` layer id of each slot (None: every slot its own layer, a chain). Consecutive played
+            slots with one id are a parallel layer: each of its turns bootstraps from the state after the layer
+            (the next layer, as the mean of its turns' values and advantages, or the next step), not from a sibling.
 
     Returns:
         ``advantages (T, E, S)`` and ``returns (T, E, S)`` (= advantages + values).
@@ -61,21 +111,24 @@ def agent_chain_gae(
     T, E, S = rewards.shape
     dtype = values.dtype
     played = torch.ones(T, E, S, dtype=torch.bool, device=values.device) if played is None else played.bool()
+    layers = slot_layers((T, E, S), values.device) if layers is None else layers
     ended = _ended(terminated, truncated).to(dtype)  # (T, E)
     advantages = torch.zeros(T, E, S, dtype=dtype, device=values.device)
-    next_value = values[T, :, 0].clone()  # (E,) value of the next played turn
+    next_value = values[T, :, 0].clone()  # (E,) value of the state after the current step
     next_adv = torch.zeros(E, dtype=dtype, device=values.device)  # (E,) its advantage
     for t in range(T - 1, -1, -1):
         next_value = episode_end_values(next_value.unsqueeze(0), terminated[t : t + 1], None if truncated is None else truncated[t : t + 1],
                                         None if final_values is None else final_values[t : t + 1]).squeeze(0)
         next_adv = next_adv * (1.0 - ended[t])  # any episode end cuts the GAE sum
+        walk = _LayerWalk([next_value, next_adv])
         for s in range(S - 1, -1, -1):
-            delta = rewards[t, :, s] + gamma * next_value - values[t, :, s]  # (E,)
-            adv = delta + gamma * gae_lambda * next_adv
             here = played[t, :, s]
+            after_value, after_adv = walk.enter(here, layers[t, :, s])  # (E,) each: the state after the turn's layer
+            delta = rewards[t, :, s] + gamma * after_value - values[t, :, s]  # (E,)
+            adv = delta + gamma * gae_lambda * after_adv
             advantages[t, :, s] = torch.where(here, adv, torch.zeros_like(adv))
-            next_value = torch.where(here, values[t, :, s], next_value)
-            next_adv = torch.where(here, adv, next_adv)
+            walk.add(here, [values[t, :, s], adv])
+        next_value, next_adv = walk.before()
     return advantages, advantages + values[:T]
 
 
@@ -98,6 +151,7 @@ def token_chain_gae(
     token_gae_lambda: float = 1.0,
     truncated: torch.Tensor | None = None,
     final_values: torch.Tensor | None = None,
+    layers: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level advantages along the agent chain (MARFT-T).
 
@@ -107,7 +161,9 @@ def token_chain_gae(
     from the first agent of the next step), discounted by ``gamma`` / ``gae_lambda``; an
     episode end cuts the chain (a truncated episode's last reply bootstraps from ``final_values``,
     as in :func:`agent_chain_gae`). An empty reply takes no action: its reward goes to the last
-    token of the previous reply of the same episode (dropped if there is none).
+    token of the previous reply of the same episode (dropped if there is none). The replies of one parallel
+    graph layer (``layers``, as in :func:`agent_chain_gae`) bootstrap from the state after the whole layer:
+    the next layer's first tokens (the mean of their values and advantages) or the next step.
 
     Args:
         rewards: ``(T, E, N)`` reward of each agent turn.
@@ -117,6 +173,7 @@ def token_chain_gae(
         terminated: ``(T, E)`` the episode ended after step t for good.
         truncated: ``(T, E)`` the episode was cut after step t (None: never).
         final_values: ``(T, E)`` value of a truncated episode's final observation.
+        layers: ``(T, E, N)`` layer id of each reply slot (None: every slot its own layer, a chain).
 
     Returns:
         ``advantages (T, E, N, L)`` and ``returns (T, E, N, L)``, zero at padding.
@@ -136,25 +193,28 @@ def token_chain_gae(
     next_adv = torch.zeros(E, dtype=dtype, device=device)  # (E,) its advantage
     pending = torch.zeros(E, dtype=dtype, device=device)  # (E,) rewards of later empty replies
     ended = _ended(terminated, truncated)  # (T, E)
+    layers = slot_layers((T, E, N), device) if layers is None else layers
     for t in range(T - 1, -1, -1):
         alive = 1.0 - ended[t].to(dtype)  # (E,)
         next_value = episode_end_values(next_value.unsqueeze(0), terminated[t : t + 1], None if truncated is None else truncated[t : t + 1],
                                         None if final_values is None else final_values[t : t + 1]).squeeze(0)
         next_adv, pending = next_adv * alive, pending * alive
+        walk = _LayerWalk([next_value, next_adv])
         for n in range(N - 1, -1, -1):
             v, m, length = token_values[t, :, n], mask[t, :, n], lengths[t, :, n]  # (E, L), (E, L), (E,)
+            real = length > 0
+            after_value, after_adv = walk.enter(real, layers[t, :, n])  # (E,) each: the first token after the reply's layer
             last = (pos.unsqueeze(0) == (length - 1).unsqueeze(1)).to(dtype)  # (E, L) one-hot of the last real token
-            v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * (1 - last) + next_value.unsqueeze(1) * last
+            v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * (1 - last) + after_value.unsqueeze(1) * last
             discount = token_gamma * (1 - last) + gamma * last
             reward = (rewards[t, :, n] + pending).unsqueeze(1) * last
             delta = (reward + discount * v_next - v) * m  # (E, L)
             carry_power = within ** (length.unsqueeze(1) - 1 - pos.unsqueeze(0)).clamp(min=0).to(dtype)  # (E, L)
-            adv = (delta @ W.T + carry_power * gamma * gae_lambda * next_adv.unsqueeze(1)) * m  # (E, L)
+            adv = (delta @ W.T + carry_power * gamma * gae_lambda * after_adv.unsqueeze(1)) * m  # (E, L)
             advantages[t, :, n] = adv
-            real = length > 0
-            next_value = torch.where(real, v[:, 0], next_value)
-            next_adv = torch.where(real, adv[:, 0], next_adv)
+            walk.add(real, [v[:, 0], adv[:, 0]])
             pending = torch.where(real, torch.zeros_like(pending), pending + rewards[t, :, n])
+        next_value, next_adv = walk.before()
     return advantages, (advantages + token_values) * mask
 
 
@@ -199,44 +259,107 @@ def group_relative_advantages(
 
 
 CREDIT_MODES = {
-    "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): a reward "
-           "flows back to every earlier turn, so with gamma = lambda = 1 and a team reward R on each of K turns the "
-           "first turn's return is K x R",
-    "equal": "every turn of a team step is credited with the team reward R (the mean of the agents' rewards)",
-    "step_discount": "turn n of a K-turn team step is credited with R x credit_discount^(K-1-n): later turns get more",
-    "per_step": "every turn is credited with its own agent's reward from the environment (StepOutcome.rewards)",
+    "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): agent n's "
+           "reward on its last turn of the step, the rewards of agents that did not speak on the step's last turn, so a "
+           "reward flows back to every earlier turn and, with gamma = lambda = 1, the step's first turn returns the sum "
+           "of all N agents' rewards (N x R for a team reward R) however many turns the step took",
+    "equal": "every turn of a team step is credited with the team reward R (the mean of the agents' rewards), "
+             "however many turns the step took",
+    "step_discount": "a turn followed by j more layers of its step (one turn each, except a parallel graph layer) is "
+                     "credited with R x credit_discount^j: later turns get more; the only mode where a turn's credit "
+                     "depends on the turns taken after it (by design)",
+    "per_step": "every turn is credited with its own agent's reward from the environment (StepOutcome.rewards), "
+                "each of an agent's turns alike",
 }
-"""``--credit_assignment`` → how the environment's rewards become each turn's credit (the one table of modes)."""
+"""``--credit_assignment`` → how the environment's rewards become each turn's credit (the one table of modes).
+
+The environment grades a team step once and gives each of the N agents a reward (``agent_rewards (T, E, N)``);
+the team reward R is their mean. A step may take any number of turns (an orchestrator calling specialists,
+an agent speaking twice, one that never speaks), so every mode is defined over turns without counting them:
+with a critic, a turn's return within its step is its credit (``env``: the rewards still to come in the step);
+with GRPO, an agent's step credit is the mean of its turns' credits (``env``: the team return)."""
 
 
 def turn_credits(
     rewards: torch.Tensor, mode: str, credit_discount: float = 1.0, team_rewards: torch.Tensor | None = None,
-    played: torch.Tensor | None = None,
+    played: torch.Tensor | None = None, agents: torch.Tensor | None = None, layers: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each turn's credit under ``mode`` (:data:`CREDIT_MODES`). ``rewards (T, E, S)`` → ``(T, E, S)``.
 
-    ``rewards``: each turn's reward from the environment (an agent's reward on its last turn of the step);
+    ``rewards``: each turn's reward from the environment (``env``'s placement, :meth:`RolloutBuffer.insert_step`);
     ``team_rewards (T, E, N)``: the environment's per-agent rewards, whose mean is the team reward R (default:
     ``rewards`` themselves, one turn per agent); ``played (T, E, S)``: the slots holding a turn, filled from slot 0
-    (default: all). A step with K turns credits turn k with R (``equal``) or R x credit_discount^(K-1-k)."""
+    (default: all); ``agents (T, E, S)``: each turn's agent (default: slot n is agent n); ``layers (T, E, S)``: each
+    turn's layer (default: every turn its own). A turn followed by j more layers of its step is credited with R
+    (``equal``) or R x credit_discount^j (``step_discount``); ``per_step`` gives every turn its own agent's reward."""
     if mode not in CREDIT_MODES:
         raise ValueError(f"unknown credit assignment {mode!r}; known: {', '.join(CREDIT_MODES)}")
-    if mode in ("env", "per_step"):
+    if mode == "env":
         return rewards
+    played = torch.ones_like(rewards, dtype=torch.bool) if played is None else played.bool()
+    if mode == "per_step":
+        if agents is None:
+            return rewards
+        own = (team_rewards if team_rewards is not None else rewards).gather(-1, agents.clamp(min=0))  # (T, E, S)
+        return torch.where(played, own, torch.zeros_like(own))
     S = rewards.shape[-1]
     team = (rewards if team_rewards is None else team_rewards).mean(-1, keepdim=True)  # (T, E, 1)
-    played = torch.ones_like(rewards, dtype=torch.bool) if played is None else played.bool()
     if mode == "equal":
         return team.expand_as(rewards) * played
-    turns = played.sum(-1, keepdim=True)  # (T, E, 1): K
-    powers = (turns - 1 - torch.arange(S, device=rewards.device)).clamp(min=0).to(rewards.dtype)  # (T, E, S): K-1-k
+    layers = slot_layers(rewards.shape, rewards.device) if layers is None else layers
+    previous = torch.cat([torch.full_like(layers[..., :1], -1), layers[..., :-1]], dim=-1)  # (T, E, S)
+    starts = played & (layers != previous)  # (T, E, S): the slot opens a layer
+    index = starts.long().cumsum(-1) - 1  # (T, E, S): the turn's layer, counted from 0
+    count = starts.sum(-1, keepdim=True)  # (T, E, 1): layers in the step (K turns in a chain)
+    powers = (count - 1 - index).clamp(min=0).to(rewards.dtype)  # (T, E, S): layers after the turn's (K-1-k in a chain)
     return team * credit_discount ** powers * played
 
 
-def chain_rewards(credits: torch.Tensor, gamma: float) -> torch.Tensor:
+def chain_rewards(
+    credits: torch.Tensor, gamma: float, played: torch.Tensor | None = None, layers: torch.Tensor | None = None,
+    reach: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Rewards to put on the agent chain so that, within a team step, each turn's discounted return is
-    exactly its credit: ``r_n = c_n - gamma * c_{n+1}`` (the last turn: ``c_{N-1}``), which telescopes to
-    ``sum_{j >= n} gamma^(j-n) r_j = c_n``. Later steps still add their discounted returns on top (through
-    the bootstrap), as in any MDP. ``credits (T, E, N)`` → ``(T, E, N)``."""
-    later = torch.cat([credits[..., 1:], torch.zeros_like(credits[..., :1])], dim=-1)  # (T, E, N): c_{n+1}, 0 after the last
-    return credits - gamma * later
+    exactly its credit: ``r_k = c_k - gamma * c_next`` (the step's last layer: ``c_k``), which telescopes to
+    ``sum_{j >= k} gamma^(j-k) r_j = c_k``. Later steps still add their discounted returns on top (through
+    the bootstrap), as in any MDP. ``credits (T, E, S)`` → ``(T, E, S)``.
+
+    ``c_next`` is what the turn's return bootstraps from within the step: the next layer's credits (``layers``, as
+    in :func:`agent_chain_gae`; a parallel layer's mean), each times its ``reach (T, E, S)`` (default 1): with
+    token-level GAE, a reply's credit is its return at its last token, and its first token, which the previous
+    reply bootstraps from, returns ``token_gamma^(length - 1)`` of it. Slots outside ``played`` (default: all)
+    get reward 0 and are skipped."""
+    S = credits.shape[-1]
+    played = torch.ones_like(credits, dtype=torch.bool) if played is None else played.bool()
+    layers = slot_layers(credits.shape, credits.device) if layers is None else layers
+    reached = credits if reach is None else credits * reach  # (T, E, S): what each turn's predecessor bootstraps from
+    out = torch.zeros_like(credits)
+    walk = _LayerWalk([torch.zeros_like(credits[..., 0])])
+    for s in range(S - 1, -1, -1):
+        here = played[..., s]
+        (following,) = walk.enter(here, layers[..., s])  # (T, E): the next layer's credit, 0 after the last
+        out[..., s] = torch.where(here, credits[..., s] - gamma * following, torch.zeros_like(following))
+        walk.add(here, [reached[..., s]])
+    return out
+
+
+def agent_step_credits(
+    credits: torch.Tensor, agents: torch.Tensor, n_agents: int, mode: str, team_rewards: torch.Tensor,
+) -> torch.Tensor:
+    """GRPO: each agent's credit of each step, ``(T, E, N)``, from the turns' ``credits (T, E, S)`` (``agents (T, E, S)``:
+    each turn's agent, -1 for an empty slot): the mean of its turns' credits, so an extra turn adds nothing; an
+    agent without a turn in the step gets what the environment gave it (``per_step``: its reward), the team reward
+    R (``equal``), or the mean credit of the step's turns (``step_discount``), so not speaking neither wins nor
+    loses against speaking."""
+    spoke = (agents.unsqueeze(-1) == torch.arange(n_agents, device=agents.device)).to(credits.dtype)  # (T, E, S, N)
+    turns = spoke.sum(2)  # (T, E, N): the agent's turns in the step
+    total = (credits.unsqueeze(-1) * spoke).sum(2)  # (T, E, N)
+    mean = total / turns.clamp(min=1)
+    if mode == "per_step":
+        absent = team_rewards
+    elif mode == "equal":
+        absent = team_rewards.mean(-1, keepdim=True).expand_as(mean)
+    else:
+        played = (agents >= 0).to(credits.dtype)
+        absent = ((credits * played).sum(-1, keepdim=True) / played.sum(-1, keepdim=True).clamp(min=1)).expand_as(mean)
+    return torch.where(turns > 0, mean, absent)

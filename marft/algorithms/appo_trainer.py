@@ -33,8 +33,10 @@ logger = logging.getLogger(__name__)
 
 
 def buffer_credits(buffer: RolloutBuffer, mode: str, credit_discount: float) -> torch.Tensor:
-    """Each turn's credit (:func:`turn_credits`) from a rollout buffer's turn rewards and per-agent rewards."""
-    return turn_credits(buffer.rewards, mode, credit_discount, team_rewards=buffer.agent_rewards, played=buffer.played)
+    """Each turn's credit (:func:`turn_credits`) from a rollout buffer's turns (their agents and layers) and
+    per-agent rewards, ``(T, E, S)``."""
+    return turn_credits(buffer.rewards, mode, credit_discount, team_rewards=buffer.agent_rewards, played=buffer.played,
+                        agents=buffer.agent, layers=buffer.layer)
 
 
 class APPOTrainer:
@@ -75,12 +77,18 @@ class APPOTrainer:
         return self.critic_optimizers.get(CRITIC_ADAPTER)
 
     # ------------------------------------------------------------------ schedule
+    schedule_origin: tuple[int, int] = (0, 0)
+    """``(iteration, env steps collected before it)`` the schedule counts from: a resumed run sets the checkpoint's,
+    so a rollout size changed on resume counts only the iterations after it at the new size."""
+
     def agents_to_train(self, iteration: int) -> list[int]:
         """Agents whose policy is updated at ``iteration`` (0-based), as the original MARFT decides it from
         the env steps collected once this iteration's rollout is in: none before ``warmup_steps``, then all
         agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone (the round-robin includes
-        an orchestrator, unless ``--train_orchestrator false`` leaves it out)."""
-        env_steps = (iteration + 1) * self.steps_per_iteration
+        an orchestrator, unless ``--train_orchestrator false`` leaves it out). The env steps are those of the
+        iterations before :attr:`schedule_origin` (as collected) plus this run's since."""
+        origin_iteration, origin_steps = self.schedule_origin
+        env_steps = origin_steps + (iteration - origin_iteration + 1) * self.steps_per_iteration
         if env_steps < self.config.warmup_steps:
             return []
         trainable = list(range(self.team.n_agents))
@@ -91,8 +99,19 @@ class APPOTrainer:
             return trainable
         return [trainable[(env_steps // interval) % len(trainable)]]
 
-    def rewards_vary(self, buffer: RolloutBuffer) -> bool:
-        """Whether the rewards of the batch (over all processes) are not all equal."""
+    def informative(self, buffer: RolloutBuffer) -> bool:
+        """Whether the batch (over all processes) can rank replies: not when its advantages (token advantages at
+        the token level) are all zero, nor when every reward is equal and every step ended its episode for good
+        (each return is then a sum of equal rewards with nothing bootstrapped, so any advantage is the critic's
+        error alone). Equal rewards in a batch where an episode goes on are informative: the bootstrapped value
+        of the next state still ranks the replies. A NaN advantage counts as not zero (the update's checks catch it)."""
+        advantages = buffer.token_advantages if self.token_level else buffer.advantages
+        going_on = buffer.active & ~buffer.terminated  # (T, E): a played step whose episode continues (or was cut)
+        nonzero, open_steps = self.dist.sum_floats([float((advantages != 0).sum()), float(going_on.sum())])
+        if nonzero == 0:
+            return False
+        if open_steps > 0:
+            return True
         stats = self.dist.mean_std(buffer.agent_rewards.flatten().double())
         return stats is None or float(stats[1]) > 1e-9
 
@@ -123,7 +142,8 @@ class APPOTrainer:
         cfg = self.config
         if cfg.credit_assignment == "env":
             return None
-        return chain_rewards(buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount), cfg.gamma)
+        credits = buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
+        return chain_rewards(credits, cfg.gamma, played=buffer.played, layers=buffer.layer)
 
     def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
         """How many units the losses average over in rows ``indices``: replies at the action level. Gradient
@@ -206,15 +226,17 @@ class APPOTrainer:
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
         """Critic update on every agent turn, then one policy update per adapter of the scheduled agents.
 
-        A batch whose rewards are all equal carries no information on which replies are better: its
-        advantages are only the critic's errors, and following them (Adam turns any non-zero gradient into a
-        full-size step) is a random walk that lowers the policy's entropy. Such a batch trains the critic
+        A batch that cannot rank replies (:meth:`informative`: all advantages zero, or equal rewards on episodes
+        that all ended) says nothing about which replies are better: its advantages are only the critic's errors
+        (or zero, while the entropy and KL terms still pull), and following them (Adam turns any non-zero gradient
+        into a full-size step) is a random walk that lowers the policy's entropy. Such a batch trains the critic
         only, and is counted (``counters/constant_reward_batches``), as group-relative methods zero out groups
         without reward variance (``--update_on_constant_rewards true``: the policies are updated anyway, as in the
-        original MARFT). LoRA dropout (``--lora_dropout``) is active here only."""
+        original MARFT). Equal rewards in a batch whose episodes go on are not skipped: the bootstrapped values
+        of the next states still rank the replies. LoRA dropout (``--lora_dropout``) is active here only."""
         self.iteration = iteration
         agents = self.agents_to_train(iteration)
-        if agents and not self.config.update_on_constant_rewards and not self.rewards_vary(buffer):
+        if agents and not self.config.update_on_constant_rewards and not self.informative(buffer):
             self.counters["constant_reward_batches"] += 1
             agents = []
         out_of_topk = self.counters["out_of_topk_tokens"]

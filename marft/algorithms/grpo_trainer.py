@@ -43,10 +43,13 @@ class GRPOTrainer(APPOTrainer):
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
         """Group-relative advantages of the episodes' team returns (``--credit_assignment env``), or of each
-        agent's own return from its turns' credits (the other modes)."""
+        agent's own return from its turns' credits (the other modes; per step, the mean of its turns' credits, so
+        an episode's number of turns does not count)."""
         cfg = self.config
         credits = None if cfg.credit_assignment == "env" else buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
-        self.counters["zero_variance_groups"] += buffer.compute_group_advantages(self.round_length, cfg.group_size, cfg.grpo_scale_rewards, credits)
+        self.counters["zero_variance_groups"] += buffer.compute_group_advantages(
+            self.round_length, cfg.group_size, cfg.grpo_scale_rewards, credits, mode=cfg.credit_assignment
+        )
 
     def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Group-relative advantages are already normalised (per group): used as they are."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from marft.algorithms.appo_trainer import APPOTrainer
+from marft.algorithms.advantages import chain_rewards
+from marft.algorithms.appo_trainer import APPOTrainer, buffer_credits
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss
 from marft.runner.shared.buffer import RolloutBuffer
 
@@ -23,6 +24,19 @@ class TPPOTrainer(APPOTrainer):
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
         cfg = self.config
         buffer.compute_token_advantages(cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda, self.chain_rewards(buffer))
+
+    def chain_rewards(self, buffer: RolloutBuffer) -> torch.Tensor | None:
+        """As :meth:`APPOTrainer.chain_rewards`, on the token chain: a reply's credit is its return at its last
+        token, which it reaches from the next reply's first token through ``token_gamma^(length - 1)``, so
+        the telescoping discounts by that too (with ``--token_gamma 1``, the action-level rewards); empty
+        replies take no action and get no credit."""
+        cfg = self.config
+        if cfg.credit_assignment == "env":
+            return None
+        credits = buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
+        lengths = buffer.response_mask.sum(-1)  # (T, E, S)
+        reach = cfg.token_gamma ** (lengths - 1).clamp(min=0).to(credits.dtype)  # (T, E, S)
+        return chain_rewards(credits, cfg.gamma, played=buffer.played & (lengths > 0), layers=buffer.layer, reach=reach)
 
     def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
         """The token-level losses average over real reply tokens: chunks are weighted by their token count."""

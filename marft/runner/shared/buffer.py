@@ -9,14 +9,19 @@ Fields and shapes (T = episode_length, E = n_rollout_threads, S = turn slots per
 P = max prompt length, L = max_new_tokens):
 
 * ``agent``                        (T, E, S)     the agent of each turn, -1 for an empty slot
+* ``layer``                        (T, E, S)     the moment of its step each turn was generated at: turns of one
+                                                 moment are a parallel graph layer (siblings, which bootstrap from
+                                                 the state after the whole layer, not from each other), -1 empty
 * ``prompt_ids, prompt_mask``      (T, E, S, P)  left-padded prompt of each turn
 * ``response_ids, response_mask``  (T, E, S, L)  right-padded reply (mask through the first EOS)
 * ``logprobs``                     (T, E, S, L)  token log-probs at sampling time
 * ``values``                       (T + 1, E, S) critic values; ``values[T, :, 0]`` bootstraps (the value of
                                                  each env's next turn)
 * ``agent_rewards``                (T, E, N)     the env's per-agent rewards of step t
-* ``rewards``                      (T, E, S)     each turn's reward: an agent's reward sits on its last turn
-                                                 of the step (an agent that did not speak has no turn to credit)
+* ``rewards``                      (T, E, S)     each turn's reward (``--credit_assignment env``): an agent's
+                                                 reward sits on its last turn of the step, the rewards of agents
+                                                 that did not speak on the step's last turn, so the step pays
+                                                 every agent's reward once, however many turns it took
 * ``terminated``                   (T, E)        the episode ended after step t for good (no bootstrap)
 * ``truncated``                    (T, E)        the episode was cut after step t (gymnasium's time limit):
                                                  it bootstraps from ``final_values``
@@ -37,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from marft.agents.team import TurnOutput
-from marft.algorithms.advantages import agent_chain_gae, group_relative_advantages, token_chain_gae
+from marft.algorithms.advantages import agent_chain_gae, agent_step_credits, group_relative_advantages, token_chain_gae
 
 
 class RolloutBuffer:
@@ -51,6 +56,7 @@ class RolloutBuffer:
         self.n_agents = N
         self.pad_id = pad_id
         self.agent = torch.full((T, E, S), -1, dtype=torch.long)
+        self.layer = torch.full((T, E, S), -1, dtype=torch.long)
         self.prompt_ids = torch.full((T, E, S, P), pad_id, dtype=torch.long)
         self.prompt_mask = torch.zeros((T, E, S, P), dtype=torch.long)
         self.response_ids = torch.full((T, E, S, L), pad_id, dtype=torch.long)
@@ -79,12 +85,14 @@ class RolloutBuffer:
         """``(T, E)`` env e played step t (took at least one turn)."""
         return self.played.any(-1)
 
-    def insert_turn(self, step: int, agent: int, turn: TurnOutput, envs=None, slots=None) -> None:
+    def insert_turn(self, step: int, agent: int, turn: TurnOutput, envs=None, slots=None, layer: int | None = None) -> None:
         """Store one agent's turn for all envs (or for the envs listed in ``envs``, one per row of ``turn``) in
-        slot ``slots`` (one per row; default: slot ``agent``, the sequential workflow's); its prompt is
-        right-aligned (left padding kept)."""
+        slot ``slots`` (one per row; default: slot ``agent``, the sequential workflow's), generated at moment
+        ``layer`` of the step (default: its slot, a chain of single turns); its prompt is right-aligned (left
+        padding kept)."""
         at = slice(None) if envs is None else torch.as_tensor(envs, dtype=torch.long)
         slot = agent if slots is None else torch.as_tensor(slots, dtype=torch.long)
+        self.layer[step, at, slot] = slot if layer is None else layer
         width = turn.prompt_ids.shape[1]
         prompt_ids = torch.full((turn.prompt_ids.shape[0], self.prompt_ids.shape[-1]), self.pad_id, dtype=torch.long)  # (B, P)
         prompt_mask = torch.zeros_like(prompt_ids)
@@ -103,11 +111,16 @@ class RolloutBuffer:
 
     def insert_step(self, step: int, rewards, terminated, truncated) -> None:
         """Rewards ``(E, N)`` (one per agent) and the episode ends ``terminated (E,)``, ``truncated (E,)`` after
-        the team step ``step``: agent n's reward goes to its last turn of the step (insert the turns first)."""
+        the team step ``step``: agent n's reward goes to its last turn of the step, the rewards of agents that did
+        not speak to the step's last turn (insert the turns first)."""
         self.agent_rewards[step] = torch.as_tensor(rewards, dtype=torch.float)
         spoke = self.agent[step].unsqueeze(-1) == torch.arange(self.n_agents)  # (E, S, N)
         later = spoke.flip(1).cumsum(1).flip(1) - spoke.long()  # (E, S, N): the agent's turns after slot s
         last = spoke & (later == 0)
+        played = self.agent[step] >= 0  # (E, S)
+        final = played & (played.flip(1).cumsum(1).flip(1) == 1)  # (E, S): the step's last turn
+        silent = ~spoke.any(1)  # (E, N): agents without a turn in the step
+        last = last | (final.unsqueeze(-1) & silent.unsqueeze(1))
         self.rewards[step] = (last.float() * self.agent_rewards[step].unsqueeze(1)).sum(-1)
         self.terminated[step] = torch.as_tensor(terminated, dtype=torch.bool)
         self.truncated[step] = torch.as_tensor(truncated, dtype=torch.bool)
@@ -121,7 +134,7 @@ class RolloutBuffer:
         """GAE along each env's turns on ``rewards`` (T, E, S) (default: the turns' own, :attr:`rewards`)."""
         self.advantages, self.returns = agent_chain_gae(
             self.rewards if rewards is None else rewards, self.values, self.terminated, gamma, gae_lambda,
-            truncated=self.truncated, final_values=self.final_values, played=self.played,
+            truncated=self.truncated, final_values=self.final_values, played=self.played, layers=self.layer,
         )
 
     def compute_token_advantages(
@@ -132,13 +145,17 @@ class RolloutBuffer:
         self.token_advantages, self.token_returns = token_chain_gae(
             self.rewards if rewards is None else rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.terminated,
             gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=self.truncated, final_values=self.final_values,
+            layers=self.layer,
         )
 
-    def compute_group_advantages(self, round_length: int, group_size: int, scale: bool, credits: torch.Tensor | None = None) -> int:
+    def compute_group_advantages(
+        self, round_length: int, group_size: int, scale: bool, credits: torch.Tensor | None = None, mode: str = "equal",
+    ) -> int:
         """Critic-free: every turn's advantage is its episode's group-relative return
-        (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, S),
-        each agent's return from its own turns' credits); ``returns`` hold the episode returns.
-        Returns how many groups had no return variance (their advantages are 0)."""
+        (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, S) of
+        credit mode ``mode``, each agent's return sums its step credits, :func:`~marft.algorithms.advantages.agent_step_credits`:
+        the mean of its turns' credits in each step, so the number of turns does not count); ``returns`` hold the
+        episode returns. Returns how many groups had no return variance (their advantages are 0)."""
         played = self.played
         if credits is None:  # the team's return: one column, on every turn
             advantages, returns, zero_variance = group_relative_advantages(self.agent_rewards, self.active, round_length, group_size, scale)
@@ -146,7 +163,7 @@ class RolloutBuffer:
             self.returns = returns[..., :1] * played
             return zero_variance
         spoke = (self.agent.unsqueeze(-1) == torch.arange(self.n_agents)).float()  # (T, E, S, N)
-        per_agent = (credits.unsqueeze(-1) * spoke).sum(2)  # (T, E, N): each agent's credits of the step
+        per_agent = agent_step_credits(credits, self.agent, self.n_agents, mode, self.agent_rewards)  # (T, E, N)
         advantages, returns, zero_variance = group_relative_advantages(per_agent, self.active, round_length, group_size, scale, per_agent=True)
         self.advantages = (spoke * advantages.unsqueeze(2)).sum(-1)  # (T, E, S): the turn's agent's column
         self.returns = (spoke * returns.unsqueeze(2)).sum(-1)

@@ -85,6 +85,8 @@ class Runner:
         """The last evaluation's episodes, every turn with its speaking role (written to ``transcripts/`` on rank 0)."""
         self.start_iteration = 0
         self.env_steps = 0  # all processes together
+        self.n_iterations = config.num_iterations
+        """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
         self.obs, _ = envs.reset(seed=config.runner.seed + dist.rank * envs.n_envs)  # rank r's env k: seed + r * E/P + k
         self.episode_returns = np.zeros(envs.n_envs)  # running team return per env
         if trainer.group_relative:
@@ -139,7 +141,7 @@ class Runner:
             )
             next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
             for batch in played:
-                buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows])
+                buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows], layer=batch.moment)
                 next_slot[batch.rows] += 1
                 tokens += int(batch.out.response_mask.sum())
             invalid = self.diagnostics.count_step([bases[e].turns for e in rows])
@@ -317,6 +319,10 @@ class Runner:
             set_rng_state(state["rank_rng"][self.dist.rank])
         self.start_iteration = int(state["iteration"])
         self.env_steps = int(state["env_steps"])
+        # The schedule and the iteration count go on from the env steps collected, at this run's rollout size
+        # (--n_rollout_threads or --episode_length may have changed).
+        self.trainer.schedule_origin = (self.start_iteration, self.env_steps)
+        self.n_iterations = self.config.iterations_after(self.start_iteration, self.env_steps)
         self.last_checkpoint = path
         for name, (old, new) in config_changes(saved_config, self.config).items():
             if self.dist.is_main:
@@ -360,7 +366,7 @@ class Runner:
         calls_before = self.diagnostics.call_distribution()
         self._log_eval(before, self.start_iteration)
         self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
-        n_iterations = self.config.num_iterations
+        n_iterations = self.n_iterations
         bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         for iteration in bar:
             start = time.perf_counter()

@@ -25,6 +25,8 @@ class PlayedBatch:
     """The environments (positions in the list given to :func:`play_team_step`) of the batch's rows, in order."""
     out: TurnOutput
     """The batch's prompts, replies, log-probs (and values)."""
+    moment: int = 0
+    """The moment of the team step it was generated at (0, 1, ...): an env's turns of one moment are a parallel layer."""
 
 
 def play_team_step(
@@ -47,6 +49,7 @@ def play_team_step(
     Returns the batches in the order they were generated.
     """
     played: list[PlayedBatch] = []
+    n_moments = 0
     while True:
         due: dict[int, list[int]] = {}
         for row, env in enumerate(envs):
@@ -58,11 +61,12 @@ def play_team_step(
         for agent in sorted(due):  # every agent's prompts are built before anyone's reply is recorded
             rows = due[agent]
             out = team.act(agent, [histories[r] for r in rows], [envs[r].visible_turns(agent) for r in rows], [private[r][agent] for r in rows])
-            moment.append(PlayedBatch(agent, rows, out))
+            moment.append(PlayedBatch(agent, rows, out, moment=n_moments))
         for batch in moment:
             for row, text in zip(batch.rows, batch.out.texts):
                 envs[row].take_turn(batch.agent, text)
         played += moment
+        n_moments += 1
     if with_values and team.has_critic and played:
         team.critic.value_batches([(batch.agent, batch.out) for batch in played], token_values)
     return played
