@@ -139,14 +139,15 @@ class CodeEnv(MultiAgentTextEnv):
         program = self.program_for(self.episode, tuple(actions))
         if program is not None and program not in self._pending:
             problem = self.problems[self.episode.problem_index]
-            self._pending[program] = submit_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits)
+            self._pending[program] = submit_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits,
+                                                  prompt=problem.program_prefix or None)
 
     def _report(self, program: str, problem: CodeProblem) -> TestReport:
         future = self._pending.pop(program, None)
         self._pending.clear()  # results for other replies of this step are never used
         if future is not None:
             return future.result()
-        return run_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits)
+        return run_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits, prompt=problem.program_prefix or None)
 
     def evaluate(self, state: CodeState, actions: tuple[str, ...]) -> StepOutcome:
         """Run the graded reply's program on the hidden tests; the same team reward goes to every agent.

@@ -916,6 +916,7 @@ def run_check(driver, tests, deadline):
     try:
         if tests.get("prompt"):
             exec(compile(tests["prompt"], "<prompt>", "exec"), namespace)
+        namespace[driver.job["entry_point"]] = candidate  # test code may call the function by name (HumanEval/33)
         exec(compile(tests["code"], "<test>", "exec"), namespace)
         namespace["check"](candidate)
         outcome = ("passed", "")
