@@ -471,6 +471,7 @@ def start_candidate(job, req_fd, resp_fd):
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     try:
+        os.setsid()  # a session and process group of its own: kill(0) reaches nothing outside
         serve(job, req_fd, resp_fd, libc)
     except BaseException as e:  # noqa: BLE001 - never return into the driver's code
         if log_fd >= 0:
@@ -952,22 +953,25 @@ def main():
         start_candidate(job, 3, 4)
         os._exit(0)
     job = read_message(0)
+    sys.set_int_max_str_digits(0)  # answers' integers are bounded by MAX_INT_DIGITS when decoded
     reporter = Reporter(job["channel_fd"])
     os.set_inheritable(job["channel_fd"], False)
     driver = Driver(job)
+    ready_sent = False
     try:
         try:
             driver.spawn(clean_memory=False)  # forked before the tests are read: nothing secret to copy
             tests = read_message(0)
             os.close(0)
             reporter.send(event="ready", isolated=driver.isolated)
+            ready_sent = True
             if job["kind"] != "stdin":
                 setup = driver.answer(time.monotonic() + job["limits"]["timeout_s"], 1 << 16)
                 if answer_status(setup) != "ok":
                     reporter.send(event="setup_failed", status=answer_status(setup), error=driver.summary(setup)[:300])
                     return
         except Lost as lost:
-            if driver.isolated is not None:
+            if driver.isolated is not None and not ready_sent:
                 reporter.send(event="ready", isolated=driver.isolated)
             reporter.send(event="setup_failed", status=lost.status, error="")
             return
