@@ -36,7 +36,8 @@ def grade_pass(problems, workers: int) -> tuple[float, int]:
 
 def isolation() -> dict:
     """What the sandbox isolated on this machine, from a trivial run."""
-    result = HarnessRun({"kind": "stdin", "program": "", "tests": [""], "start": 0}, SandboxLimits(), time.monotonic() + 60).run()
+    result = HarnessRun({"kind": "stdin", "program": "", "entry_point": None}, {"cases": [{"input": "", "output": ""}]},
+                        SandboxLimits(), time.monotonic() + 60).run()
     return vars(result.isolation) if result.isolation else {}
 
 

@@ -45,6 +45,14 @@ def sysv_objects() -> set[str]:
     return found
 
 
+def cgroup_members() -> list[str]:
+    """Processes still in any sandbox slot's cgroup (v1 memory/pids or v2)."""
+    found = []
+    for procs in Path("/sys/fs/cgroup").glob("**/marft-sandbox/*/cgroup.procs"):
+        found += [f"{procs.parent}:{pid}" for pid in procs.read_text().split()]
+    return found
+
+
 def sandbox_files(*folders: str) -> list[str]:
     found = []
     for folder in folders:
@@ -66,7 +74,7 @@ def contained():
     deadline = time.monotonic() + 5
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_processes() == []
+    assert sandbox_processes() == [] and cgroup_members() == []
     assert sandbox_files("/tmp", "/var/tmp", "/dev/shm", os.getcwd()) == []
     assert sysv_objects() - ipc_before == set()
 

@@ -1,27 +1,27 @@
-"""One sandboxed run of ``harness.py``: limits, a uid of its own, launch, events, clean-up.
+"""One sandboxed run of a program: a uid and cgroups of its own, the driver process, its verdicts, clean-up.
 
-A run is one fresh ``python3 -I -S harness.py`` process in its own session, started with an
-empty environment apart from ``PATH``/``LANG``. As root (the normal case in containers) the
-harness builds the sandbox before any program code runs:
+A run is one fresh ``python3 -I -S harness.py`` process (the trusted **driver**), started with an
+empty environment apart from ``PATH``/``LANG``; it forks the **candidate** that runs the program
+(see ``harness.py``). As root (the normal case in containers) the candidate is sandboxed before
+any program code runs:
 
 ==================  ===========================================================================
 resource limits     CPU seconds, address space, processes, file size, open files, no core files
-network             a new, empty network namespace (no interface is up: every connect fails)
-file system         a new mount namespace; the working directory is a size-limited tmpfs over a
-                    fresh ``mkdtemp()`` folder; ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``
-                    are read-only; everything else is protected by file permissions
+cgroup              memory (tmpfs and shared memory included, no swap) and process count of the
+                    whole program, per slot (``/sys/fs/cgroup/{memory,pids}/marft-sandbox/<k>``
+                    on cgroup v1, ``/sys/fs/cgroup/marft-sandbox/<k>`` on v2)
+namespaces          PID (the candidate is PID 1: its processes end with it), IPC, UTS, network
+                    (no interface up), mount
+file system         a minimal read-only root (system folders without site-packages, ``/dev``
+                    nodes, its own ``/proc``) and a size-limited tmpfs ``/sandbox``
 user                an unprivileged uid/gid of its own per concurrent run (a *slot*, held with
-                    ``flock`` so concurrent graders never share one), ``no_new_privs`` set
-processes           ``RLIMIT_NPROC`` counts per uid and root is exempt from it, so the uid drop
-                    is what makes the limit real; after the run every process of the slot's uid
-                    is killed (``kill -KILL -1`` run as that uid), wherever it moved (new
-                    session, double fork); the wall clock kills the process group
+                    ``flock`` so concurrent graders never share one), ``no_new_privs``
+seccomp             no namespaces, ptrace, System V IPC, AF_UNIX sockets, mounts, bpf, io_uring
 ==================  ===========================================================================
 
-Not root: no uid drop, so ``RLIMIT_NPROC`` counts the grader's own processes and the program
-can signal processes of the grader's uid; a user namespace (where the kernel allows one)
-still gives an empty network namespace. The first run logs what was isolated
-(``Isolation``).
+After the run every process left in the slot's cgroups (or, without cgroups, of its uid) is killed.
+Where a layer is unavailable (not root, no cgroup controllers, another architecture) the first
+run logs a warning naming what is then not protected (``Isolation.describe``).
 """
 
 from __future__ import annotations
