@@ -359,3 +359,25 @@ def test_tracing_another_process_is_denied(contained):
                "ok = libc.ptrace(16, pid, None, None) == 0\nos.kill(pid, 9)\nprint('passed' if ok else 'denied')\n")
     report, _ = hostile(program, [{"input": "", "output": "denied"}])
     assert report.statuses == ("passed",), report
+
+
+def test_the_grader_takes_each_verdict_once_in_order_and_type_checked():
+    """Events reach the grader only from the driver; still, anything out of order or mistyped fails the program."""
+    from marft.envs.code.sandbox import HarnessRun
+
+    def feed(*lines):
+        run = HarnessRun({"kind": "stdin", "program": "", "entry_point": None}, {"cases": [{"input": "", "output": ""}] * 2},
+                         FAST, deadline=time.monotonic() + 60)
+        run._take(b"".join(line + b"\n" for line in lines))
+        return run.result
+
+    good = [b'{"event": "start", "i": 0}', b'{"event": "done", "i": 0, "status": "passed", "error": "", "seconds": 0.1}']
+    assert feed(*good).statuses == {0: "passed"} and feed(*good).end == "finished"
+    for bad in ([b'{"event": "done", "i": 0, "status": "passed"}'],  # done before start
+                good + [b'{"event": "done", "i": 0, "status": "passed"}'],  # twice
+                [b'{"event": "start", "i": 1}'],  # out of order
+                [good[0], b'{"event": "done", "i": 0, "status": "ok"}'],  # not a verdict
+                [good[0], b'{"event": "done", "i": "0", "status": "passed"}'],
+                [good[0], b'{"event": "done", "i": 0, "status": "passed", "error": 5}'],
+                [b'{"event": "ready", "isolated": null}'], [b'[1, 2]'], [b'not json'], [b'{"event": "start"}']):
+        assert feed(*bad).end == "malformed", bad  # run_tests then fails every test without a verdict

@@ -953,6 +953,7 @@ def main():
         start_candidate(job, 3, 4)
         os._exit(0)
     job = read_message(0)
+    _libc().prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no /proc/<pid>/mem of the driver for a candidate of the same uid (not root)
     sys.set_int_max_str_digits(0)  # answers' integers are bounded by MAX_INT_DIGITS when decoded
     reporter = Reporter(job["channel_fd"])
     os.set_inheritable(job["channel_fd"], False)

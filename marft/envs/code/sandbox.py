@@ -465,7 +465,7 @@ class HarnessRun:
         poller = select.poll()
         poller.register(read_fd, select.POLLIN)
         poller.register(pidfd, select.POLLIN)
-        backstop = self.limits.startup_s + self.limits.timeout_s + 2.0  # the driver itself enforces each test's limit
+        backstop = self.limits.startup_s + 2 * self.limits.timeout_s + 2.0  # a fresh candidate, its top level, the test: the driver enforces each
         event_deadline = time.monotonic() + backstop
         try:
             while self.result.end == "finished":
