@@ -381,3 +381,18 @@ def test_the_grader_takes_each_verdict_once_in_order_and_type_checked():
                 [good[0], b'{"event": "done", "i": 0, "status": "passed", "error": 5}'],
                 [b'{"event": "ready", "isolated": null}'], [b'[1, 2]'], [b'not json'], [b'{"event": "start"}']):
         assert feed(*bad).end == "malformed", bad  # run_tests then fails every test without a verdict
+
+
+def test_honest_programs_keep_threads_subprocesses_forks_and_temp_files(contained):
+    """The sandbox denies only what no honest solution needs."""
+    programs = {
+        "thread": "import threading, sys\nthreading.stack_size(1 << 26)\nsys.setrecursionlimit(10 ** 6)\nr = []\n"
+                  "t = threading.Thread(target=lambda: r.append(int(input()) * 2))\nt.start()\nt.join()\nprint(r[0])\n",
+        "subprocess": "import subprocess\nprint(int(subprocess.run(['echo', input()], capture_output=True, text=True).stdout) * 2)\n",
+        "fork": "import os\nx = int(input())\npid = os.fork()\nif pid == 0:\n    os._exit(3)\n"
+                "print(x * 2 if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 3 else -1)\n",
+        "tempfile": "import tempfile\nwith tempfile.TemporaryFile() as f:\n    f.write(input().encode())\n    f.seek(0)\n    print(int(f.read()) * 2)\n",
+        "socketpair": "import socket\na, b = socket.socketpair()\na.send(input().encode())\nprint(int(b.recv(10)) * 2)\n",
+    }
+    for name, program in programs.items():
+        assert run_tests(program, [{"input": "21\n", "output": "42"}], limits=FAST).statuses == ("passed",), name

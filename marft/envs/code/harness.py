@@ -52,9 +52,7 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 2
 SYS_PIVOT_ROOT = 155
 WRITABLE_SYSTEM_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
-PLAIN_TYPES = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
 LAYERS = ("network", "mounts", "uid", "pid", "ipc", "cgroup", "filesystem", "seccomp")
-STATUSES = ("passed", "failed", "error", "timeout", "memory", "output_limit")
 BUILTIN_EXCEPTIONS = frozenset(name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException))
 MAX_INT_DIGITS = 100_000
 """Longest integer the driver decodes from a candidate's answer (``int`` of text is quadratic)."""
@@ -230,8 +228,8 @@ def _is_integer_token(token):
 def _is_number_token(token):
     """A decimal number: sign, digits with at most one point, an optional exponent (no ``inf``/``nan``/``_``)."""
     body = token[1:] if token[:1] in ("+", "-") else token
-    mantissa, _, exponent = body.lower().partition("e")
-    if _ and not _is_integer_token(exponent):
+    mantissa, marker, exponent = body.lower().partition("e")
+    if marker and not _is_integer_token(exponent):
         return False
     whole, dot, fraction = mantissa.partition(".")
     return (whole + fraction).isdigit() and (whole + fraction).isascii() and "." not in fraction
