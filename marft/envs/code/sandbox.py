@@ -60,9 +60,10 @@ class SandboxLimits:
     timeout_s: float = 4.0
     """Wall-clock seconds per test (and for a function program's top level)."""
     memory_mb: int = 1024
-    """Address-space limit (``RLIMIT_AS``) in MiB."""
+    """Memory in MiB: the address space of each process (``RLIMIT_AS``) and, where cgroups are available,
+    of the whole program (its processes, tmpfs files and shared memory together)."""
     processes: int = 32
-    """Processes and threads the program's uid may have at once (``RLIMIT_NPROC``)."""
+    """Processes and threads the program may have at once (``RLIMIT_NPROC`` of its uid, and its pids cgroup)."""
     file_bytes: int = 8 << 20
     """Largest file the program may write, and the cap on one test's captured stdout."""
     disk_bytes: int = 32 << 20
@@ -70,13 +71,13 @@ class SandboxLimits:
     open_files: int = 64
     """Open file descriptors (``RLIMIT_NOFILE``)."""
     stderr_bytes: int = 2000
-    """How much of a test's stderr (its end) is kept."""
+    """The longest feedback kept per test (an exception class and a line: never the program's own output)."""
     startup_s: float = 20.0
     """Wall-clock seconds the harness may take to start and build the sandbox."""
     max_total_s: float = 120.0
     """Wall-clock budget for all tests of one program; tests not reached by then time out."""
     max_restarts: int = 8
-    """Fresh harness processes after one died mid-test (``os._exit``, a kill), before giving up."""
+    """Fresh candidate processes after one died or timed out mid-test, before the remaining tests fail alike."""
 
     def __post_init__(self):
         if self.timeout_s <= 0 or self.memory_mb < 64 or self.processes < 1 or self.file_bytes < 1024:
@@ -516,7 +517,7 @@ class HarnessRun:
             try:
                 event = json.loads(line)
                 self._event(event)
-            except (ValueError, TypeError, KeyError) as e:
+            except Exception as e:  # noqa: BLE001 - whatever is wrong with an event fails the program, never the grader
                 self._malformed(f"{type(e).__name__}: {e}")
             took = True
         return took
