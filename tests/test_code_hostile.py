@@ -396,3 +396,41 @@ def test_honest_programs_keep_threads_subprocesses_forks_and_temp_files(containe
     }
     for name, program in programs.items():
         assert run_tests(program, [{"input": "21\n", "output": "42"}], limits=FAST).statuses == ("passed",), name
+
+
+MEMORY_SCAN = (
+    "import ctypes, os, re\n"
+    "def scan():\n"
+    "    prefix = b'EXPECTED' + b'-'\n"
+    "    for line in open('/proc/self/maps'):\n"
+    "        parts = line.split()\n"
+    "        if 'r' not in parts[1] or (len(parts) > 5 and parts[5] in ('[vvar]', '[vsyscall]', '[vvar_vclock]')):\n"
+    "            continue\n"
+    "        start, end = (int(x, 16) for x in parts[0].split('-'))\n"
+    "        try:\n"
+    "            data = ctypes.string_at(start, end - start)\n"
+    "        except Exception:\n"
+    "            continue\n"
+    "        for m in re.finditer(re.escape(prefix) + rb'(\\d{5})', data):\n"
+    "            return 'EXPECTED-' + m.group(1).decode()\n"
+    "    return 'nothing'\n"
+)
+
+
+def test_expected_outputs_are_nowhere_in_the_programs_memory_even_after_a_restart(contained):
+    """The candidate is forked before the driver reads the tests, and replaced by a fresh interpreter after a
+    crash: no copy of an expected output (or of HumanEval's test code) ever exists in its address space."""
+    stdin_program = MEMORY_SCAN + "x = input()\nif x == 'crash':\n    os._exit(1)\nprint(scan())\n"
+    control = run_tests(stdin_program, [{"input": "EXPECTED-55555\n", "output": "EXPECTED-55555"}], limits=FAST)
+    assert control.statuses == ("passed",)  # the scan does find what is in its memory (here, its own input)
+    stdin_tests = [{"input": "scan\n", "output": "EXPECTED-31337"}, {"input": "crash\n", "output": "EXPECTED-31337"},
+                   {"input": "scan\n", "output": "EXPECTED-31337"}]
+    report, _ = hostile(stdin_program, stdin_tests)
+    assert report.passed == 0 and report.statuses[1] == "error", report
+    call_program = MEMORY_SCAN + "def f(x):\n    if x == 'crash':\n        os._exit(1)\n    return scan()\n"
+    call_tests = [{"call": f"f({x!r})", "expected": "'EXPECTED-31337'"} for x in ("scan", "crash", "scan")]
+    report, _ = hostile(call_program, call_tests)
+    assert report.passed == 0 and report.statuses[1] == "error", report
+    check = "def check(candidate):\n    assert candidate('scan') == 'EXPECTED-31337'\n"
+    report, _ = hostile(call_program, check, entry_point="f")
+    assert report.passed == 0, report
