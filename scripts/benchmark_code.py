@@ -30,13 +30,14 @@ def grade_pass(problems, workers: int) -> tuple[float, int]:
     """``(seconds, programs passed)`` for one pass over ``problems`` with ``workers`` sandboxes at a time."""
     started = time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        reports = list(pool.map(lambda p: run_tests(p.solution, p.tests, entry_point=p.entry_point), problems))
+        reports = list(pool.map(lambda p: run_tests(p.solution, p.tests, entry_point=p.entry_point, prompt=p.program_prefix), problems))
     return time.perf_counter() - started, sum(r.all_passed for r in reports)
 
 
 def isolation() -> dict:
     """What the sandbox isolated on this machine, from a trivial run."""
-    result = HarnessRun({"kind": "stdin", "program": "", "tests": [""], "start": 0}, SandboxLimits(), time.monotonic() + 60).run()
+    result = HarnessRun({"kind": "stdin", "program": "", "entry_point": None}, {"cases": [{"input": "", "output": ""}]},
+                        SandboxLimits(), time.monotonic() + 60).run()
     return vars(result.isolation) if result.isolation else {}
 
 

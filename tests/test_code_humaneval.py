@@ -24,12 +24,12 @@ def test_humaneval_has_164_problems_with_canonical_solutions(problems):
 
 def test_all_canonical_solutions_pass_and_wrong_bodies_fail(problems):
     started = time.monotonic()
-    reports = grade_many([{"program": p.solution, "tests": p.tests, "entry_point": p.entry_point} for p in problems])
+    reports = grade_many([{"program": p.solution, "tests": p.tests, "entry_point": p.entry_point, "prompt": p.program_prefix} for p in problems])
     seconds = time.monotonic() - started
     failed = [(p.task_id, r.statuses, r.stderr[-200:]) for p, r in zip(problems, reports) if not r.all_passed]
     assert failed == []
     print(f"\nHumanEval: 164 canonical solutions in {seconds:.2f} s on {os.cpu_count()} cores ({164 / seconds:.1f} programs/s)")
     assert seconds < 120  # a few seconds when the machine is idle; generous for a loaded one
     wrong = grade_many([{"program": p.program(f"def {p.entry_point}(*args, **kwargs):\n    return None\n"),
-                         "tests": p.tests, "entry_point": p.entry_point} for p in problems])
+                         "tests": p.tests, "entry_point": p.entry_point, "prompt": p.program_prefix} for p in problems])
     assert [p.task_id for p, r in zip(problems, wrong) if r.passed] == []

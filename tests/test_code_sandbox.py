@@ -108,7 +108,9 @@ def test_check_tests():
     test = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
     assert run_tests("def add(a, b):\n    return a + b\n", test, entry_point="add").statuses == ("passed",)
     report = run_tests("def add(a, b):\n    return 5\n", test, entry_point="add")
-    assert report.statuses == ("error",) and "AssertionError" in report.stderr and "line 3" in report.stderr
+    assert report.statuses == ("failed",) and "AssertionError" in report.stderr
+    report = run_tests("def add(a, b):\n    x = 1\n    return a / 0\n", test, entry_point="add")
+    assert report.statuses == ("error",) and report.stderr == "ZeroDivisionError at line 3 of the program"
     with pytest.raises(ValueError, match="entry_point"):
         run_tests("def add(a, b): pass", test)
 
@@ -117,13 +119,13 @@ def test_syntax_error_and_crash_in_one_test_only():
     assert run_tests("print(", ADD).statuses == ("error",) * 3
     program = "import os\na, b = map(int, input().split())\nif a == 10: os._exit(0)\nprint(a + b)\n"
     report = run_tests(program, ADD)
-    assert report.statuses == ("passed", "error", "passed") and any("test 1" in note for note in report.notes)
+    assert report.statuses == ("passed", "error", "passed")  # a fresh candidate took over after test 1
 
 
 def test_the_sandbox_reports_full_isolation_as_root(caplog):
     run_tests("print(1)", [{"input": "", "output": "1"}])
     if ROOT:
-        assert Isolation(True, True, True).describe() == "sandbox isolation: full (network, mounts, uid)"
+        assert Isolation(*[True] * 8).describe() == "sandbox isolation: full (network, mounts, uid, pid, ipc, cgroup, filesystem, seccomp)"
         assert os.access(sandbox_python(), os.X_OK)
     assert "NOT" in Isolation(False, True, False).describe()
 
@@ -183,7 +185,7 @@ def test_killing_the_grader_fails(contained):
                "for pid in [int(p) for p in os.listdir('/proc') if p.isdigit()]:\n"
                "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\nprint('passed')\n")
     report, _ = run_hostile(program)
-    assert report.statuses == ("error",) and "PermissionError" in report.stderr
+    assert report.statuses == ("passed",)  # harmless now: nothing outside its own PID namespace is in sight
     assert run_tests(ADD_PROGRAM, ADD).passed == 3  # this process and the grader are alive
 
 
@@ -192,7 +194,7 @@ def test_killing_the_grader_fails(contained):
 def test_exiting_before_the_tests_run_fails(exit_call, contained):
     program = f"import os, sys\n{exit_call}\ndef add(a, b):\n    return a + b\n"
     check = "def check(candidate):\n    assert candidate(1, 2) == 3\n"
-    assert run_tests(program, check, entry_point="add", limits=FAST).statuses == ("error",)
+    assert run_tests(program, check, entry_point="add", limits=FAST).passed == 0
     assert run_tests(program, [{"call": "add(1, 2)", "expected": "3"}], limits=FAST).passed == 0
 
 
@@ -202,8 +204,8 @@ def test_fake_pass_lines_on_every_descriptor_fail(contained):
                "for fd in range(64):\n    try:\n        os.write(fd, b'0' * 32 + b' ' + line)\n    except OSError:\n        pass\n"
                "def add(a, b):\n    return 0\n")
     check = "def check(candidate):\n    assert candidate(1, 2) == 3\n"
-    assert run_tests(program, check, entry_point="add", limits=FAST).statuses == ("error",)
-    assert run_tests(program, [{"call": "add(1, 2)", "expected": "3"}], limits=FAST).statuses == ("failed",)
+    assert run_tests(program, check, entry_point="add", limits=FAST).passed == 0
+    assert run_tests(program, [{"call": "add(1, 2)", "expected": "3"}], limits=FAST).passed == 0
 
 
 @needs_root
@@ -235,7 +237,7 @@ def test_no_network(contained):
     threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True).start()
     program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'hi')\nprint('passed')\n"
     report, _ = run_hostile(program)
-    assert report.statuses == ("error",) and "Network is unreachable" in report.stderr
+    assert report.statuses == ("error",) and report.stderr.startswith("OSError at line 2")
     server.close()
     assert accepted in ([], [None])
 

@@ -1,49 +1,22 @@
 """Judging outputs against expected ones, in the grader (expected outputs never enter the sandbox).
 
-* stdin/stdout tests: whitespace-normalised token comparison; two tokens that are both numbers
-  with a decimal point or exponent match within a float tolerance, integers match exactly.
-* function-call tests: the sandbox reports ``repr`` of a plain-data result; both sides are
-  parsed as Python literals (``nan``/``inf`` allowed) and compared structurally, lists and
-  tuples alike, floats within the tolerance.
+* stdin/stdout tests: whitespace-normalised token comparison; an expected integer needs the same
+  integer (no float within a tolerance), other numbers match within a float tolerance.
+* function-call tests: the expected literal is parsed here (``nan``/``inf`` allowed) and compared in
+  the driver with the plain value the program returned: structurally, lists and tuples alike,
+  integers exactly, floats within the tolerance.
+
+The comparisons themselves live in ``harness.py`` (standard library only), where the driver uses them.
 """
 
 from __future__ import annotations
 
 import ast
 import math
-import re
 
-INTEGER = re.compile(r"[-+]?\d+")
-NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-REL_TOL = 1e-6
-ABS_TOL = 1e-6
+from marft.envs.code.harness import ABS_TOL, REL_TOL, outputs_match, tokens_match, values_equal  # noqa: F401 - the driver's comparisons
+
 _SPECIAL_NAMES = {"nan": math.nan, "inf": math.inf, "True": True, "False": False, "None": None}
-
-
-def _tokens_match(actual: str, expected: str, rel_tol: float, abs_tol: float) -> bool:
-    if actual == expected:
-        return True
-    if INTEGER.fullmatch(actual) and INTEGER.fullmatch(expected):
-        return _integer_text(actual) == _integer_text(expected)  # exact, and no int() (4300-digit limit)
-    if NUMBER.fullmatch(actual) and NUMBER.fullmatch(expected):
-        return math.isclose(float(actual), float(expected), rel_tol=rel_tol, abs_tol=abs_tol)
-    return False
-
-
-def _integer_text(token: str) -> str:
-    """An integer token in one canonical spelling: no ``+``, no leading zeros, ``-0`` as ``0``."""
-    digits = token.lstrip("+-").lstrip("0") or "0"
-    return digits if digits == "0" or not token.startswith("-") else "-" + digits
-
-
-def outputs_match(actual: str, expected: str, rel_tol: float = REL_TOL, abs_tol: float = ABS_TOL) -> bool:
-    """Whether a program's stdout ``actual`` answers a test whose expected stdout is ``expected``.
-
-    Whitespace (spaces, newlines, trailing blanks) only separates tokens; tokens must match one
-    by one (numbers as described in the module docstring).
-    """
-    got, want = actual.split(), expected.split()
-    return len(got) == len(want) and all(_tokens_match(a, b, rel_tol, abs_tol) for a, b in zip(got, want))
 
 
 def _literal(node: ast.AST):
@@ -91,28 +64,9 @@ def parse_literal(text: str):
     return _literal(tree.body)
 
 
-def values_equal(actual, expected, rel_tol: float = REL_TOL, abs_tol: float = ABS_TOL) -> bool:
-    """Structural equality of two plain values: lists and tuples alike, floats within tolerance,
-    ``bool`` only equal to ``bool``."""
-    if isinstance(actual, bool) or isinstance(expected, bool):
-        return type(actual) is type(expected) and actual == expected
-    if isinstance(actual, (int, float)) and isinstance(expected, (int, float)):
-        if isinstance(actual, int) and isinstance(expected, int):
-            return actual == expected
-        if math.isnan(actual) or math.isnan(expected):
-            return math.isnan(actual) and math.isnan(expected)
-        return math.isclose(actual, expected, rel_tol=rel_tol, abs_tol=abs_tol)
-    if isinstance(actual, (list, tuple)) and isinstance(expected, (list, tuple)):
-        return len(actual) == len(expected) and all(values_equal(a, e, rel_tol, abs_tol) for a, e in zip(actual, expected))
-    if isinstance(actual, dict) and isinstance(expected, dict):
-        return actual.keys() == expected.keys() and all(values_equal(actual[k], expected[k], rel_tol, abs_tol) for k in actual)
-    if isinstance(actual, (set, frozenset)) and isinstance(expected, (set, frozenset)):
-        return set(actual) == set(expected)
-    return type(actual) is type(expected) and actual == expected
-
-
 def result_matches(reported: str, expected: str) -> bool:
-    """Whether the sandbox's ``repr`` of a call's result equals the expected literal."""
+    """Whether the ``repr`` text of a result equals the expected literal (both parsed here: for trusted
+    text only; the sandbox's answers are compared in its driver, never parsed in the trainer)."""
     if reported.strip() == expected.strip():
         return True  # also covers literals too big to parse (integers past Python's 4300-digit limit)
     try:

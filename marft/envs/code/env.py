@@ -7,11 +7,11 @@ reward is ``passed / total`` for every agent, and the task is solved when all te
 A reply without a code block gets reward 0 and is counted (``missing_code_blocks``).
 
 With ``horizon > 1`` an unsolved step gets judge feedback naming the tests that did not pass
-and the end of the first failure's stderr (never the hidden inputs or expected outputs), and
-the team tries again::
+and the first failure's exception class and line (never the hidden inputs, expected outputs or
+anything the program printed), and the team tries again::
 
     Judge: Passed 3 of 5 tests. Not passed: test 2 (wrong answer), test 4 (time limit).
-    stderr (end): ZeroDivisionError: division by zero
+    stderr (end): ZeroDivisionError at line 4 of the program
 """
 
 from __future__ import annotations
@@ -139,14 +139,15 @@ class CodeEnv(MultiAgentTextEnv):
         program = self.program_for(self.episode, tuple(actions))
         if program is not None and program not in self._pending:
             problem = self.problems[self.episode.problem_index]
-            self._pending[program] = submit_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits)
+            self._pending[program] = submit_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits,
+                                                  prompt=problem.program_prefix or None)
 
     def _report(self, program: str, problem: CodeProblem) -> TestReport:
         future = self._pending.pop(program, None)
         self._pending.clear()  # results for other replies of this step are never used
         if future is not None:
             return future.result()
-        return run_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits)
+        return run_tests(program, problem.tests, entry_point=problem.entry_point, limits=self.limits, prompt=problem.program_prefix or None)
 
     def evaluate(self, state: CodeState, actions: tuple[str, ...]) -> StepOutcome:
         """Run the graded reply's program on the hidden tests; the same team reward goes to every agent.

@@ -31,7 +31,8 @@ class TestReport:
     statuses: tuple[str, ...]
     """One of ``STATUSES`` per test, in test order."""
     stderr: str = ""
-    """Truncated stderr of the first failed test that wrote any (else of the first failed test; "" when all passed)."""
+    """Feedback on the first failed test that has any: a builtin exception's class and the program's line
+    (``"ZeroDivisionError at line 3 of the program"``); never the program's output or hidden test data."""
     seconds: float = 0.0
     """Wall-clock time of the whole grading."""
     notes: tuple[str, ...] = field(default_factory=tuple)

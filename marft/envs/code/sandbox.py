@@ -1,27 +1,27 @@
-"""One sandboxed run of ``harness.py``: limits, a uid of its own, launch, events, clean-up.
+"""One sandboxed run of a program: a uid and cgroups of its own, the driver process, its verdicts, clean-up.
 
-A run is one fresh ``python3 -I -S harness.py`` process in its own session, started with an
-empty environment apart from ``PATH``/``LANG``. As root (the normal case in containers) the
-harness builds the sandbox before any program code runs:
+A run is one fresh ``python3 -I -S harness.py`` process (the trusted **driver**), started with an
+empty environment apart from ``PATH``/``LANG``; it forks the **candidate** that runs the program
+(see ``harness.py``). As root (the normal case in containers) the candidate is sandboxed before
+any program code runs:
 
 ==================  ===========================================================================
 resource limits     CPU seconds, address space, processes, file size, open files, no core files
-network             a new, empty network namespace (no interface is up: every connect fails)
-file system         a new mount namespace; the working directory is a size-limited tmpfs over a
-                    fresh ``mkdtemp()`` folder; ``/tmp``, ``/var/tmp``, ``/dev/shm``, ``/run/lock``
-                    are read-only; everything else is protected by file permissions
+cgroup              memory (tmpfs and shared memory included, no swap) and process count of the
+                    whole program, per slot (``/sys/fs/cgroup/{memory,pids}/marft-sandbox/<k>``
+                    on cgroup v1, ``/sys/fs/cgroup/marft-sandbox/<k>`` on v2)
+namespaces          PID (the candidate is PID 1: its processes end with it), IPC, UTS, network
+                    (no interface up), mount
+file system         a minimal read-only root (system folders without site-packages, ``/dev``
+                    nodes, its own ``/proc``) and a size-limited tmpfs ``/sandbox``
 user                an unprivileged uid/gid of its own per concurrent run (a *slot*, held with
-                    ``flock`` so concurrent graders never share one), ``no_new_privs`` set
-processes           ``RLIMIT_NPROC`` counts per uid and root is exempt from it, so the uid drop
-                    is what makes the limit real; after the run every process of the slot's uid
-                    is killed (``kill -KILL -1`` run as that uid), wherever it moved (new
-                    session, double fork); the wall clock kills the process group
+                    ``flock`` so concurrent graders never share one), ``no_new_privs``
+seccomp             no namespaces, ptrace, System V IPC, AF_UNIX sockets, mounts, bpf, io_uring
 ==================  ===========================================================================
 
-Not root: no uid drop, so ``RLIMIT_NPROC`` counts the grader's own processes and the program
-can signal processes of the grader's uid; a user namespace (where the kernel allows one)
-still gives an empty network namespace. The first run logs what was isolated
-(``Isolation``).
+After the run every process left in the slot's cgroups (or, without cgroups, of its uid) is killed.
+Where a layer is unavailable (not root, no cgroup controllers, another architecture) the first
+run logs a warning naming what is then not protected (``Isolation.describe``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import json
 import logging
 import marshal
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -61,9 +60,10 @@ class SandboxLimits:
     timeout_s: float = 4.0
     """Wall-clock seconds per test (and for a function program's top level)."""
     memory_mb: int = 1024
-    """Address-space limit (``RLIMIT_AS``) in MiB."""
+    """Memory in MiB: the address space of each process (``RLIMIT_AS``) and, where cgroups are available,
+    of the whole program (its processes, tmpfs files and shared memory together)."""
     processes: int = 32
-    """Processes and threads the program's uid may have at once (``RLIMIT_NPROC``)."""
+    """Processes and threads the program may have at once (``RLIMIT_NPROC`` of its uid, and its pids cgroup)."""
     file_bytes: int = 8 << 20
     """Largest file the program may write, and the cap on one test's captured stdout."""
     disk_bytes: int = 32 << 20
@@ -71,13 +71,13 @@ class SandboxLimits:
     open_files: int = 64
     """Open file descriptors (``RLIMIT_NOFILE``)."""
     stderr_bytes: int = 2000
-    """How much of a test's stderr (its end) is kept."""
+    """The longest feedback kept per test (an exception class and a line: never the program's own output)."""
     startup_s: float = 20.0
     """Wall-clock seconds the harness may take to start and build the sandbox."""
     max_total_s: float = 120.0
     """Wall-clock budget for all tests of one program; tests not reached by then time out."""
     max_restarts: int = 8
-    """Fresh harness processes after one died mid-test (``os._exit``, a kill), before giving up."""
+    """Fresh candidate processes after one died or timed out mid-test, before the remaining tests fail alike."""
 
     def __post_init__(self):
         if self.timeout_s <= 0 or self.memory_mb < 64 or self.processes < 1 or self.file_bytes < 1024:
@@ -88,26 +88,44 @@ class SandboxLimits:
         return int(self.timeout_s * (n_tests + 1)) + 2
 
 
+LAYERS = ("network", "mounts", "uid", "pid", "ipc", "cgroup", "filesystem", "seccomp")
+NOT_PROTECTED = {
+    "network": "network NOT isolated (no network namespace): programs can open sockets",
+    "mounts": "file system NOT private (no mount namespace): programs may write to /tmp and files their uid can write",
+    "uid": "uid NOT dropped (grader is not root): RLIMIT_NPROC counts the grader's processes, programs can signal them",
+    "pid": "no PID namespace: programs see every process (/proc/<pid>/cmdline names datasets) and stray processes are found by uid only",
+    "ipc": "no IPC namespace: System V shared memory outlives a run and is shared between programs",
+    "cgroup": "no cgroup: memory and process limits hold per process, not per program",
+    "filesystem": "no minimal root: everything the sandbox uid can read (datasets, venvs, the repository, host sockets) is readable",
+    "seccomp": "no seccomp filter: programs may create user namespaces, ptrace, use SysV IPC and connect to UNIX sockets",
+}
+
+
 @dataclass(frozen=True)
 class Isolation:
-    """What the sandbox isolates on this machine (reported by the harness of the first run)."""
+    """What the sandbox isolates on this machine (reported by the driver of the first run)."""
 
     network: bool
     """A new, empty network namespace."""
     mounts: bool
-    """A mount namespace: tmpfs working directory, shared temp folders read-only."""
+    """A mount namespace: a private tmpfs working directory."""
     uid: bool
     """An unprivileged uid of its own (so the process limit holds and nothing of the grader's can be signalled)."""
+    pid: bool = False
+    """A PID namespace: the program sees only its own processes, and they all end with it."""
+    ipc: bool = False
+    """An IPC namespace: System V and POSIX IPC objects are private and go with the run."""
+    cgroup: bool = False
+    """A cgroup capping memory (tmpfs and shared memory included) and processes of the whole program."""
+    filesystem: bool = False
+    """A minimal read-only root: system folders without site-packages, its own /proc, a tmpfs /sandbox."""
+    seccomp: bool = False
+    """A seccomp filter denying namespaces, ptrace, SysV IPC, AF_UNIX/netlink sockets, mounts, bpf, io_uring."""
 
     def describe(self) -> str:
         """One line naming what is and is not isolated."""
-        missing = {
-            "network": "network NOT isolated (no network namespace): programs can open sockets",
-            "mounts": "file system NOT private (no mount namespace): programs may write to /tmp and files their uid can write",
-            "uid": "uid NOT dropped (grader is not root): RLIMIT_NPROC counts the grader's processes, programs can signal them",
-        }
-        parts = [missing[name] for name in ("network", "mounts", "uid") if not getattr(self, name)]
-        return "sandbox isolation: " + ("full (network, mounts, uid)" if not parts else "; ".join(parts))
+        parts = [NOT_PROTECTED[name] for name in LAYERS if not getattr(self, name)]
+        return "sandbox isolation: " + ("full (" + ", ".join(LAYERS) + ")" if not parts else "; ".join(parts))
 
 
 _isolation_logged = threading.Event()
@@ -150,6 +168,114 @@ def _stdlib_world_readable(python: str) -> bool:
     return out.returncode == 0 and _world_readable(out.stdout.strip())
 
 
+@lru_cache(maxsize=1)
+def filesystem_view() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(folders bound read-only into the minimal root, folders hidden under them)``.
+
+    The system folders Python and its extension modules need, plus the sandbox interpreter's prefix
+    when it lives elsewhere; every ``site-packages``/``dist-packages`` is hidden (installed data such as
+    HumanEval's canonical solutions must not be readable; ``-I -S`` never imports from them anyway).
+    """
+    binds = [p for p in ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin") if os.path.lexists(p)]
+    try:
+        out = subprocess.run([sandbox_python(), "-I", "-S", "-c", "import sys; print(sys.base_prefix); print(sys.base_exec_prefix)"],
+                             capture_output=True, text=True, timeout=30, env=SANDBOX_ENV)
+        prefixes = {os.path.realpath(line) for line in out.stdout.split()} if out.returncode == 0 else set()
+    except (OSError, subprocess.TimeoutExpired):
+        prefixes = set()
+    for prefix in sorted(prefixes):
+        if not any(prefix == b or prefix.startswith(b + "/") for b in binds) and os.path.isdir(prefix):
+            binds.append(prefix)
+    hidden = set()
+    for base in binds:
+        if os.path.isdir(base) and not os.path.islink(base):
+            for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages",
+                            "local/lib/python3*/site-packages", "local/lib/python3*/dist-packages"):
+                hidden.update(str(p) for p in Path(base).glob(pattern) if p.is_dir())
+    return tuple(binds), tuple(sorted(hidden))
+
+
+class Cgroups:
+    """A slot's cgroups (v1 ``memory`` + ``pids``, or v2 with both controllers) under ``marft-sandbox``:
+    memory (tmpfs and shared memory included, no swap) and processes of one whole program are capped.
+    ``available`` is False where they cannot be made (not root, no controllers): then limits are per process."""
+
+    V1 = Path("/sys/fs/cgroup")
+
+    def __init__(self, k: int):
+        self.procs: list[str] = []
+        self.oom_events: str | None = None
+        self._limits: list[tuple[Path, str]] = []
+        try:
+            if (self.V1 / "memory" / "memory.limit_in_bytes").exists() and (self.V1 / "pids").is_dir():
+                memory, pids = self.V1 / "memory" / "marft-sandbox" / str(k), self.V1 / "pids" / "marft-sandbox" / str(k)
+                memory.mkdir(parents=True, exist_ok=True)
+                pids.mkdir(parents=True, exist_ok=True)
+                self.memory, self.pids, self.version = memory, pids, 1
+                self.procs = [str(memory / "cgroup.procs"), str(pids / "cgroup.procs")]
+                self.oom_events = str(memory / "memory.oom_control")
+            elif "memory" in (self.V1 / "cgroup.controllers").read_text().split():
+                parent = self.V1 / "marft-sandbox"
+                parent.mkdir(exist_ok=True)
+                for folder in (self.V1, parent):
+                    (folder / "cgroup.subtree_control").write_text("+memory +pids")
+                group = parent / str(k)
+                group.mkdir(exist_ok=True)
+                self.memory = self.pids = group
+                self.version = 2
+                self.procs = [str(group / "cgroup.procs")]
+                self.oom_events = str(group / "memory.events")
+        except OSError:
+            self.procs = []
+
+    @property
+    def available(self) -> bool:
+        return bool(self.procs)
+
+    def set_limits(self, memory_bytes: int, processes: int) -> None:
+        """Caps for the next run (the program's processes and their files in tmpfs together)."""
+        if self.version == 1:
+            files = [(self.memory / "memory.limit_in_bytes", memory_bytes), (self.memory / "memory.memsw.limit_in_bytes", memory_bytes)]
+            for _ in range(2):  # memsw must stay >= limit: one order works when growing, the other when shrinking
+                try:
+                    for path, value in files:
+                        if path.exists():
+                            path.write_text(str(value))
+                    break
+                except OSError:
+                    files.reverse()
+            (self.pids / "pids.max").write_text(str(processes))
+        else:
+            (self.memory / "memory.max").write_text(str(memory_bytes))
+            if (self.memory / "memory.swap.max").exists():
+                (self.memory / "memory.swap.max").write_text("0")
+            (self.pids / "pids.max").write_text(str(processes))
+
+    def members(self) -> list[int]:
+        pids = set()
+        for path in self.procs:
+            try:
+                pids.update(int(p) for p in Path(path).read_text().split())
+            except OSError:
+                pass
+        return sorted(pids)
+
+    def empty(self, timeout_s: float = 5.0) -> bool:
+        """SIGKILL whatever is still in the cgroups and wait until none is left."""
+        deadline = time.monotonic() + timeout_s
+        while members := self.members():
+            for pid in members:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            if time.monotonic() > deadline:
+                logger.warning("processes %s are still in the sandbox cgroup after %.0f s", members, timeout_s)
+                return False
+            time.sleep(0.005)
+        return True
+
+
 _checked_slots: set[int] = set()
 """Slot uids this process has already cleaned up once (later runs clean up after themselves)."""
 
@@ -164,7 +290,7 @@ class Slot:
     """
 
     def __init__(self):
-        self.uid, self.workdir, self._lock = -1, None, None
+        self.uid, self.workdir, self._lock, self.cgroups = -1, None, None, None
         if os.geteuid() != 0:
             return
         folder = Path(tempfile.gettempdir()) / "marft-sandbox-slots"
@@ -178,9 +304,12 @@ class Slot:
                 continue
             self.uid, self._lock = SLOT_UID_BASE + k, fd
             self.workdir = folder / f"{k}.d"
+            self.cgroups = Cgroups(k)
             if self.uid not in _checked_slots:  # first use here: a crashed grader may have left processes and files
                 kill_uid(self.uid)
                 wait_until_gone(self.uid)
+                if self.cgroups.available:
+                    self.cgroups.empty()
                 shutil.rmtree(self.workdir, ignore_errors=True)
                 self.workdir.mkdir(mode=0o700)
                 os.chown(self.workdir, self.uid, self.uid)
@@ -244,68 +373,78 @@ def processes_of_uid(uid: int, zombies: bool = False) -> list[int]:
             if int(fields.get("Uid", "-1 0").split()[0]) == uid and (zombies or not is_dead(fields))]
 
 
+STATUSES = ("passed", "failed", "error", "timeout", "memory", "output_limit")
+
+
 @dataclass
 class RunResult:
-    """What one harness process reported before it ended."""
+    """What one driver reported before it ended (each test's verdict at most once, in order)."""
 
-    done: dict[int, dict] = field(default_factory=dict)
-    """``done`` events by test index."""
-    current: int | None = None
-    """The test started but not reported when the process ended (``None``: none)."""
-    in_setup: bool = False
-    """It ended while running a function program's top level (before any test)."""
+    statuses: dict[int, str] = field(default_factory=dict)
+    """Verdict by test index (one of ``STATUSES``)."""
+    errors: dict[int, str] = field(default_factory=dict)
+    """Feedback by test index: the class of a builtin exception and the program's line, or ""."""
     end: str = "finished"
-    """How it ended: ``finished``, ``setup_failed``, ``timeout`` (killed by the wall clock),
-    ``budget`` (total budget spent), ``died`` (exited or was killed without finishing)."""
+    """How it ended: ``finished``, ``setup_failed`` (the program's top level failed), ``timeout`` (killed by
+    the backstop clock), ``budget`` (total budget spent), ``died`` (the driver ended without finishing),
+    ``malformed`` (an event out of order or of the wrong type)."""
     end_status: str = "error"
-    """The status the unreported test gets (e.g. ``timeout`` for SIGXCPU)."""
-    stderr: str = ""
-    """stderr of the setup failure, or of the harness itself when it died."""
+    """The status every test without a verdict gets."""
+    error: str = ""
+    """Feedback for those tests (a setup failure's)."""
     isolation: Isolation | None = None
-    clean: bool = False
-    """It finished or failed its setup without leaving processes behind (no need to wait for any to go)."""
 
 
 class HarnessRun:
-    """Launch one harness for ``job`` and follow its events until it ends (see ``RunResult``).
+    """Launch one driver for a program and follow its verdicts until it ends (see ``RunResult``).
 
     Args:
-        job: the harness job without the sandbox fields (program, kind, tests, start, ...).
+        job: ``{"kind", "program", "entry_point"}``: what the candidate process gets.
+        tests: ``{"cases", "prompt", "code"}``: what only the trusted driver reads (inputs, expected outputs).
         limits: the run's limits.
         deadline: ``time.monotonic()`` value after which nothing more may run.
     """
 
-    def __init__(self, job: dict, limits: SandboxLimits, deadline: float):
-        self.job, self.limits, self.deadline = job, limits, deadline
+    def __init__(self, job: dict, tests: dict, limits: SandboxLimits, deadline: float):
+        self.job, self.tests, self.limits, self.deadline = job, tests, limits, deadline
         self.result = RunResult()
-        self._nonce = secrets.token_hex(16).encode()
         self._buffer = bytearray()
+        self._started: int | None = None
+        self._next = 0
 
     def run(self) -> RunResult:
         with Slot() as slot:
             workdir = str(slot.workdir) if slot.workdir else tempfile.mkdtemp(prefix="marft-sandbox-")
+            cgroups = slot.cgroups if slot.cgroups is not None and slot.cgroups.available else None
+            if cgroups is not None:
+                cgroups.set_limits(self.limits.memory_mb << 20, self.limits.processes)
+            binds, hidden = filesystem_view() if slot.uid > 0 else ((), ())
             read_fd, write_fd = os.pipe()
             err_fd = os.memfd_create("harness-stderr")
             proc = None
             try:
-                job = {**self.job, "nonce": self._nonce.decode(), "channel_fd": write_fd, "workdir": workdir,
-                       "uid": slot.uid, "gid": slot.uid, "grader_pid": os.getpid(), "stderr_bytes": self.limits.stderr_bytes, "timeout_s": self.limits.timeout_s,
-                       "limits": {"cpu_s": self.limits.cpu_seconds(len(self.job["tests"])), "memory_mb": self.limits.memory_mb,
-                                  "file_bytes": self.limits.file_bytes, "disk_bytes": self.limits.disk_bytes,
-                                  "open_files": self.limits.open_files, "processes": self.limits.processes}}
+                header = {**self.job, "channel_fd": write_fd, "debug": logger.isEnabledFor(logging.DEBUG), "workdir": workdir, "uid": slot.uid, "gid": slot.uid,
+                          "startup_s": self.limits.startup_s, "binds": list(binds), "hidden": list(hidden),
+                          "cgroups": cgroups.procs if cgroups else [], "oom_events": cgroups.oom_events if cgroups else None,
+                          "limits": {"cpu_s": self.limits.cpu_seconds(len(self.tests["cases"])), "memory_mb": self.limits.memory_mb,
+                                     "file_bytes": self.limits.file_bytes, "disk_bytes": self.limits.disk_bytes,
+                                     "open_files": self.limits.open_files, "processes": self.limits.processes,
+                                     "timeout_s": self.limits.timeout_s, "max_restarts": self.limits.max_restarts}}
                 proc = subprocess.Popen([sandbox_python(), "-I", "-S", str(HARNESS)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                         stderr=err_fd, pass_fds=(write_fd,), env=SANDBOX_ENV, cwd="/", start_new_session=True)
                 os.close(write_fd)
                 write_fd = -1
-                self._send_job(proc, marshal.dumps(job))
+                self._send_job(proc, _message(header) + _message(self.tests))
                 self._follow(proc, read_fd)
-                if self.result.end == "died":
-                    self.result.stderr = _tail(err_fd, self.limits.stderr_bytes)
+                if logger.isEnabledFor(logging.DEBUG):
+                    logger.debug("sandbox driver died: %s", _tail(err_fd, self.limits.stderr_bytes))
             finally:
                 if proc is not None:
                     _kill_group(proc)
-                kill_uid(slot.uid)
-                if not self.result.clean:
+                if cgroups is not None:
+                    cgroups.empty()
+                else:
+                    kill_uid(slot.uid)
                     wait_until_gone(slot.uid)
                 for fd in (read_fd, write_fd, err_fd):
                     if fd >= 0:
@@ -322,20 +461,20 @@ class HarnessRun:
             pass
 
     def _follow(self, proc: subprocess.Popen, read_fd: int) -> None:
-        """Read events until the process ends; kill it at the per-test or total deadline."""
+        """Read events until the driver ends; kill it at the backstop clock or the total deadline."""
         pidfd = os.pidfd_open(proc.pid)
         poller = select.poll()
         poller.register(read_fd, select.POLLIN)
         poller.register(pidfd, select.POLLIN)
-        test_deadline = time.monotonic() + self.limits.startup_s
-        grace = max(1.0, 0.5 * self.limits.timeout_s)
+        backstop = self.limits.startup_s + 2 * self.limits.timeout_s + 2.0  # a fresh candidate, its top level, the test: the driver enforces each
+        event_deadline = time.monotonic() + backstop
         try:
-            while True:
+            while self.result.end == "finished":
                 now = time.monotonic()
-                limit = min(test_deadline, self.deadline)
+                limit = min(event_deadline, self.deadline)
                 if now >= limit:
                     _kill_group(proc)
-                    self.result.end = "timeout" if limit == test_deadline else "budget"
+                    self.result.end = "timeout" if limit == event_deadline else "budget"
                     self.result.end_status = "timeout"
                     return
                 for fd, _ in poller.poll(max(1, int((limit - now) * 1000))):
@@ -344,12 +483,13 @@ class HarnessRun:
                         if not data:
                             poller.unregister(read_fd)
                         elif self._take(data):
-                            test_deadline = time.monotonic() + self.limits.timeout_s + grace
+                            event_deadline = time.monotonic() + backstop
                     elif fd == pidfd:
                         proc.wait()
                         os.set_blocking(read_fd, False)
                         self._drain(read_fd)
-                        self._ended(proc.returncode)
+                        if self.result.end == "finished" and (self._started is not None or self._next < len(self.tests["cases"])):
+                            self.result.end = "died"
                         return
         finally:
             os.close(pidfd)
@@ -365,57 +505,65 @@ class HarnessRun:
             self._take(data)
 
     def _take(self, data: bytes) -> bool:
-        """Parse complete event lines; returns whether a test started or ended (the clock restarts)."""
+        """Take complete event lines; returns whether one arrived (the backstop clock restarts)."""
         self._buffer += data
-        restarted = False
-        while b"\n" in self._buffer:
+        if len(self._buffer) > 1 << 20:  # no event of the driver is that long
+            self._malformed("an event longer than 1 MiB")
+            return False
+        took = False
+        while b"\n" in self._buffer and self.result.end == "finished":
             line, _, rest = bytes(self._buffer).partition(b"\n")
             self._buffer = bytearray(rest)
-            restarted |= self._event(line)
-        if len(self._buffer) > 4 * self.limits.file_bytes + (1 << 20):
-            self._buffer.clear()  # an endless line: not the harness's
-        return restarted
+            try:
+                event = json.loads(line)
+                self._event(event)
+            except Exception as e:  # noqa: BLE001 - whatever is wrong with an event fails the program, never the grader
+                self._malformed(f"{type(e).__name__}: {e}")
+            took = True
+        return took
 
-    def _event(self, line: bytes) -> bool:
-        nonce, _, payload = line.partition(b" ")
-        if nonce != self._nonce or self.result.end != "finished":
-            return False
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            return False
-        kind, result = event.get("event"), self.result
-        if kind == "ready" and result.isolation is None:
-            result.isolation = Isolation(**{k: bool(event["isolated"][k]) for k in ("network", "mounts", "uid")})
+    def _malformed(self, why: str) -> None:
+        logger.error("sandbox driver sent a malformed event (%s); the program fails", why)
+        self.result.end, self.result.end_status = "malformed", "error"
+
+    def _event(self, event: dict) -> None:
+        """One event, type-checked and in order: ready, then per test start/done, then finished."""
+        if type(event) is not dict or type(event.get("event")) is not str:
+            raise ValueError("not an event")
+        kind, result, n = event["event"], self.result, len(self.tests["cases"])
+        if kind == "ready" and result.isolation is None and self._next == 0:
+            layers = event["isolated"]
+            if type(layers) is not dict or not all(type(layers.get(name)) is bool for name in LAYERS):
+                raise ValueError("bad isolation")
+            result.isolation = Isolation(**{name: layers[name] for name in LAYERS})
             if not _isolation_logged.is_set():
                 _isolation_logged.set()
                 (logger.info if all(vars(result.isolation).values()) else logger.warning)(result.isolation.describe())
-        elif kind == "start":
-            result.current, result.in_setup = int(event["i"]), bool(event.get("setup"))
-            return True
-        elif kind == "done":
-            result.done[int(event["i"])] = event
-            result.current, result.in_setup = None, False
-            return True
-        elif kind == "setup_failed":
-            result.end, result.end_status, result.stderr = "setup_failed", str(event["status"]), str(event.get("stderr", ""))
-            result.clean = not event.get("leftovers", True)
+        elif kind == "start" and self._started is None and event["i"] == self._next and type(event["i"]) is int and self._next < n:
+            self._started = self._next
+        elif kind == "done" and self._started is not None and event["i"] == self._started and type(event["i"]) is int:
+            status, error, seconds = event["status"], event.get("error", ""), event.get("seconds", 0.0)
+            if status not in STATUSES or type(error) is not str or type(seconds) not in (int, float):
+                raise ValueError("bad verdict")
+            result.statuses[self._started], result.errors[self._started] = status, error[:self.limits.stderr_bytes]
+            self._started, self._next = None, self._next + 1
+        elif kind == "setup_failed" and self._started is None and self._next == 0:
+            status, error = event["status"], event.get("error", "")
+            if status not in STATUSES[1:] or type(error) is not str:
+                raise ValueError("bad setup failure")
+            result.end, result.end_status, result.error = "setup_failed", status, error[:self.limits.stderr_bytes]
         elif kind == "harness_error":
-            logger.error("sandbox harness failed: %s", event.get("traceback", ""))
-            result.stderr = "harness error: " + str(event.get("traceback", ""))[-self.limits.stderr_bytes:]
-        elif kind == "finished":
-            result.current = None
-            result.clean = not event.get("leftovers", True)
-        return False
+            logger.error("sandbox driver failed: %s", str(event.get("traceback", ""))[-4000:])
+            result.end, result.end_status = "died", "error"
+        elif kind == "finished" and self._started is None and self._next == n:
+            pass
+        else:
+            raise ValueError(f"unexpected event {kind!r}")
 
-    def _ended(self, returncode: int) -> None:
-        result = self.result
-        if result.end == "setup_failed":
-            return
-        if returncode == 0 and result.current is None and len(result.done) + self.job["start"] >= len(self.job["tests"]):
-            return
-        result.end = "died"
-        result.end_status = {-signal.SIGXCPU: "timeout", -signal.SIGXFSZ: "output_limit"}.get(returncode, "error")
+
+def _message(value) -> bytes:
+    data = marshal.dumps(value)
+    return len(data).to_bytes(8, "big") + data
 
 
 def _clean_workdir(workdir: str, keep: bool) -> None:
