@@ -1,0 +1,132 @@
+"""Red team of the issue-31 sandbox: attacks that got through (each test failed before its fix), and the
+most valuable of those that did not (regressions). Hostile programs forge frames on the candidate's own
+answer pipe (fd 4: plain data the driver must treat as untrusted), stall the driver, lie through types.
+"""
+
+import sys
+import time
+
+import pytest
+
+from marft.envs.code import run_tests
+from marft.envs.code.compare import values_equal
+from marft.envs.code.harness import MAX_INT_DIGITS, from_json
+from tests.test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401 - the fixture
+
+needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")
+
+FRAME = ("import os\n"
+         "def frame(text):\n"
+         "    data = text.encode()\n"
+         "    os.write(4, len(data).to_bytes(4, 'big') + data)\n")
+"""A program's helper: write one answer frame of its own on the candidate's answer pipe (fd 4)."""
+
+
+# ---------------------------------------------------------------- comparison: bool/int/float through hashing
+
+
+@pytest.mark.parametrize("returned, expected", [
+    ("{True, 2}", "{1, 2}"), ("{1.0, 2}", "{1, 2}"), ("{(True, 0)}", "{(1, 0)}"), ("{frozenset({False})}", "{frozenset({0})}"),
+    ("{True: 'a'}", "{1: 'a'}"), ("{1.0: 'a'}", "{1: 'a'}"), ("{(0, True): 1}", "{(0, 1): 1}"),
+])
+def test_a_bool_or_float_is_not_an_integer_inside_sets_and_dict_keys(returned, expected):
+    """Set elements and dict keys were compared by hash and ``==``, where ``True == 1 == 1.0``: a wrong type passed."""
+    assert not values_equal(eval(returned), eval(expected))
+    assert values_equal(eval(expected), eval(expected))
+
+
+def test_sets_and_dict_keys_still_compare_as_values():
+    assert values_equal(frozenset({1, 2, (3, "a")}), {2, 1, (3, "a")}) and values_equal({(1, 2): [1.0]}, {(1, 2): (1.0000000001,)})
+    assert values_equal({True, 0}, {0, True}) and not values_equal({1, 2}, {1, 2, 3}) and not values_equal({1: 2}, {2: 1})
+    nan = float("nan")
+    assert values_equal({nan}, {float("nan")}) and values_equal({1.5: nan}, {1.5: float("nan")})
+
+
+@needs_root
+def test_a_set_of_bools_is_not_paid_for_a_set_of_integers(contained):
+    report, _ = hostile("def f():\n    return {True, 2}\n", [{"call": "f()", "expected": "{1, 2}"}])
+    assert report.passed == 0, report
+
+
+# ---------------------------------------------------------------- the driver's own time: writes and decoding
+
+
+@needs_root
+def test_a_candidate_that_stops_reading_requests_times_out_within_its_limit(contained):
+    """The program answers test 0 itself and never returns to the request loop: the driver's write of test 1's
+    large input (more than a pipe holds) blocked with no clock, until the grader's backstop (~35 s here)."""
+    program = FRAME + ("import sys, time\n"
+                       "sys.stdin.read()\n"
+                       "frame('{\"d\":[[\"status\",\"ok\"],[\"stdout\",\"1\"]]}')\n"
+                       "time.sleep(1000)\n")
+    tests = [{"input": "1\n" * 200_000, "output": "1"}] * 3
+    report, seconds = hostile(program, tests)
+    assert report.statuses == ("passed", "timeout", "passed"), report  # its own answers (a fresh candidate for test 2)
+    assert seconds < 3 * FAST.timeout_s + 5, seconds
+
+
+def test_huge_integers_in_an_answer_are_bounded_in_total_not_only_each():
+    """``int`` of decimal text is quadratic: 80 integers of 100,000 digits (8 MB, under the answer cap) took the
+    driver ~5 s of CPU, past every clock (a C call is not interrupted by the alarm)."""
+    limit = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)  # as in the driver
+    try:
+        _check_integer_budget()
+    finally:
+        sys.set_int_max_str_digits(limit)
+
+
+def _check_integer_budget():
+    one = "9" * MAX_INT_DIGITS
+    assert from_json(("[" + ",".join([one] * 2) + "]").encode()) == [int(one)] * 2  # what a big-integer answer needs
+    started = time.process_time()
+    with pytest.raises(ValueError):
+        from_json(("[" + ",".join([one] * 80) + "]").encode())
+    assert time.process_time() - started < 1.0
+    assert from_json(("[" + ",".join(["12345678901234567890"] * 100_000) + "]").encode())[-1] == 12345678901234567890  # short ones: no budget
+
+
+# ---------------------------------------------------------------- regressions: attacks that did not work
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["call", "check", "stdin"])
+def test_forged_answer_frames_fail_safely(kind, contained):
+    """Frames the program writes itself: nested too deeply, an untagged object, twice, a header with no body,
+    a length past every cap. Each fails the program (never the driver, never a pass)."""
+    frames = ["'{\"d\":[[\"status\",\"ok\"],[\"value\",' + '[' * 990 + ']' * 990 + ']]}'",
+              "'{\"status\":\"ok\",\"value\":3}'", "'{\"d\":[[\"status\",\"ok\"],[\"value\",0]]}' * 2"]
+    for forged in frames + ["RAW:(2**32 - 1).to_bytes(4, 'big')", "RAW:(100).to_bytes(4, 'big')"]:
+        write = ("    os.write(4, %s)\n" % forged[4:]) if forged.startswith("RAW:") else ("    frame(%s)\n" % forged)
+        if kind == "stdin":
+            program = FRAME + "if True:\n" + write + "print(0)\n"
+            report, seconds = hostile(program, [{"input": "2 3\n", "output": "5"}])
+        elif kind == "call":
+            report, seconds = hostile(FRAME + "def add(a, b):\n" + write + "    return 0\n", [{"call": "add(1, 2)", "expected": "3"}])
+        else:
+            report, seconds = hostile(FRAME + "def add(a, b):\n" + write + "    return 0\n",
+                                      "def check(candidate):\n    assert candidate(1, 2) == [[]] or candidate(1, 2) == 3\n", entry_point="add")
+        assert report.passed == 0 and not any(note.startswith("died") for note in report.notes), (forged, report)
+        assert seconds < FAST.timeout_s * 2 + 5
+
+
+@needs_root
+def test_seccomp_holds_against_other_abis_and_numbers(contained):
+    """x32 numbers (``__X32_SYSCALL_BIT``), ``clone3``, high bits in ``unshare``/``clone`` flags, and the
+    calls the filter names: each is refused (the program returns the errnos; the test compares them)."""
+    program = ("import ctypes\n"
+               "libc = ctypes.CDLL(None, use_errno=True)\n"
+               "libc.syscall.restype = ctypes.c_long\n"
+               "def err(nr, *args):\n"
+               "    ctypes.set_errno(0)\n"
+               "    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])\n"
+               "    return ctypes.get_errno() if r == -1 else 0\n"
+               "def probe():\n"
+               "    X32, NEWUSER = 0x40000000, 0x10000000\n"
+               "    return [err(X32 | 272, NEWUSER), err(X32 | 521, 0, 0), err(435, 0, 0), err(272, NEWUSER | (1 << 40)),\n"
+               "            err(56, NEWUSER | (1 << 40), 0, 0, 0, 0), err(304, 0, 0, 0), err(310, 1, 0, 0, 0, 0, 0), err(250, 0, 0),\n"
+               "            err(298, 0, 0, -1, -1, 0), err(323, 0), err(101, 0), err(308, 0, 0), err(41, 1, 1, 0), err(438, 0, 0, 0)]\n")
+    eperm, enosys = 1, 38
+    expected = [eperm, eperm, enosys] + [eperm] * 11
+    report, _ = hostile(program, [{"call": "probe()", "expected": repr(expected)}])
+    assert report.statuses == ("passed",), report
