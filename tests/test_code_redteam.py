@@ -3,12 +3,13 @@ most valuable of those that did not (regressions). Hostile programs forge frames
 answer pipe (fd 4: plain data the driver must treat as untrusted), stall the driver, lie through types.
 """
 
+import os
 import sys
 import time
 
 import pytest
 
-from marft.envs.code import run_tests
+from marft.envs.code import SandboxLimits, run_tests
 from marft.envs.code.compare import values_equal
 from marft.envs.code.harness import MAX_INT_DIGITS, from_json
 from tests.test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401 - the fixture
@@ -130,3 +131,50 @@ def test_seccomp_holds_against_other_abis_and_numbers(contained):
     expected = [eperm, eperm, enosys] + [eperm] * 11
     report, _ = hostile(program, [{"call": "probe()", "expected": repr(expected)}])
     assert report.statuses == ("passed",), report
+
+
+# ---------------------------------------------------------------- CPU: a program's processes together
+
+
+@needs_root
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to use two at once")
+def test_a_program_uses_one_core_however_many_processes_it_starts(contained):
+    """Three processes spinning for 1 s of wall time took ~2 CPU-seconds on 2 cores (every core of the host,
+    the grading pool's and the trainer's included): ``RLIMIT_CPU`` is per process, the wall clock per test."""
+    program = ("import os, time\n"
+               "pids = []\n"
+               "for _ in range(3):\n"
+               "    pid = os.fork()\n"
+               "    if pid == 0:\n"
+               "        end = time.monotonic() + 1.0\n"
+               "        while time.monotonic() < end:\n"
+               "            pass\n"
+               "        os._exit(0)\n"
+               "    pids.append(pid)\n"
+               "started = time.monotonic()\n"
+               "for pid in pids:\n"
+               "    os.waitpid(pid, 0)\n"
+               "used = os.times().children_user + os.times().children_system\n"
+               "print('one core' if used < 1.3 * (time.monotonic() - started) else 'more: %.2f' % used)\n")
+    report, _ = hostile(program, [{"input": "", "output": "one core"}], limits=SandboxLimits(timeout_s=5, startup_s=30))
+    assert report.statuses == ("passed",), report
+
+
+@needs_root
+def test_the_cpu_quota_is_set_on_the_slots_cgroup():
+    """Where the cgroup cpu controller exists, a slot's cgroups carry ``SandboxLimits.cpus`` as a quota."""
+    from marft.envs.code.sandbox import CPU_PERIOD_US, Slot
+
+    with Slot() as slot:
+        if slot.cgroups is None or not slot.cgroups.available:
+            pytest.skip("no cgroups here")
+        if slot.cgroups.cpu is None:
+            pytest.skip("no cgroup cpu controller here")
+        slot.cgroups.set_limits(512 << 20, 16, cpus=0.5)
+        cpu = slot.cgroups.cpu
+        if slot.cgroups.version == 1:
+            quota = int((cpu / "cpu.cfs_quota_us").read_text()), int((cpu / "cpu.cfs_period_us").read_text())
+        else:
+            quota = tuple(int(x) for x in (cpu / "cpu.max").read_text().split())
+        assert quota == (CPU_PERIOD_US // 2, CPU_PERIOD_US)
+        assert str(cpu / "cgroup.procs") in slot.cgroups.procs  # the candidate joins it, the clean-up empties it
