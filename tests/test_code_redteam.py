@@ -178,3 +178,43 @@ def test_the_cpu_quota_is_set_on_the_slots_cgroup():
             quota = tuple(int(x) for x in (cpu / "cpu.max").read_text().split())
         assert quota == (CPU_PERIOD_US // 2, CPU_PERIOD_US)
         assert str(cpu / "cgroup.procs") in slot.cgroups.procs  # the candidate joins it, the clean-up empties it
+
+
+# ---------------------------------------------------------------- regressions: answers that lie about what they are
+
+LIARS = {
+    "int_subclass": "class L(int):\n    def __eq__(self, other):\n        return True\n    __hash__ = int.__hash__\nLIAR = L(0)\n",
+    "list_subclass": "class L(list):\n    def __eq__(self, other):\n        return True\nLIAR = L()\n",
+    "str_subclass": "class S(str):\n    def __eq__(self, other):\n        return True\n    __hash__ = str.__hash__\nLIAR = S('x')\n",
+    "reduce": "class R:\n    def __reduce__(self):\n        return (int, (3,))\nLIAR = R()\n",
+    "raising": "class X:\n    def __eq__(self, o):\n        raise AssertionError\n    __bool__ = __repr__ = __eq__\nLIAR = X()\n",
+    "generator": "LIAR = (x for x in [3])\n",
+    "recursive": "LIAR = []\nLIAR.append(LIAR)\n",
+    "deep": "LIAR = 3\nfor _ in range(200):\n    LIAR = [LIAR]\n",
+    "true": "LIAR = True\n",
+    "float": "LIAR = 3.0\n",
+    "minus_zero": "LIAR = -0.0\n",
+    "complex": "LIAR = 3 + 0j\n",
+    "huge": "LIAR = 10 ** 200_000\n",
+}
+
+
+@needs_root
+def test_lying_answers_to_call_tests_are_not_paid(contained):
+    """Subclasses with ``__eq__`` always true, ``__reduce__``, exceptions in ``__eq__``/``__bool__``/``__repr__``,
+    generators, recursive and deep lists, ``True``/``3.0``/``3+0j`` for ``3``, ``-0.0`` for ``0``: every one fails."""
+    program = "".join(code.replace("LIAR", name.upper()) for name, code in LIARS.items()) + "def give(name):\n    return globals()[name]\n"
+    tests = [{"call": f"give({name.upper()!r})", "expected": "0" if name == "minus_zero" else "3"} for name in LIARS]
+    report, seconds = hostile(program, tests)
+    assert report.passed == 0, list(zip(LIARS, report.statuses))
+    assert seconds < 2 * FAST.timeout_s + 5
+
+
+@needs_root
+@pytest.mark.parametrize("name", ["int_subclass", "list_subclass", "reduce", "raising", "generator", "recursive", "huge"])
+def test_lying_answers_never_reach_check(name, contained):
+    """HumanEval's ``check`` sees only plain values: a liar fails (``True``/``3.0`` pass ``==`` there, as in
+    HumanEval's own harness: that is the test's Python, not the sandbox)."""
+    program = LIARS[name] + "def add(a, b):\n    return LIAR\n"
+    report, _ = hostile(program, "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert not (candidate(1, 2) != 3)\n", entry_point="add")
+    assert report.statuses != ("passed",), report
