@@ -3,6 +3,7 @@ most valuable of those that did not (regressions). Hostile programs forge frames
 answer pipe (fd 4: plain data the driver must treat as untrusted), stall the driver, lie through types.
 """
 
+import json
 import os
 import sys
 import time
@@ -16,6 +17,7 @@ from tests.test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401
 
 needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")
 
+ADD_CHECK_CODE = "def check(candidate):\n    assert candidate(1, 2) == 3\n"
 FRAME = ("import os\n"
          "def frame(text):\n"
          "    data = text.encode()\n"
@@ -218,3 +220,50 @@ def test_lying_answers_never_reach_check(name, contained):
     program = LIARS[name] + "def add(a, b):\n    return LIAR\n"
     report, _ = hostile(program, "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert not (candidate(1, 2) != 3)\n", entry_point="add")
     assert report.statuses != ("passed",), report
+
+
+INT80 = ("import ctypes, mmap\n"
+         "def int80(nr):\n"
+         "    code = b'\\xb8' + nr.to_bytes(4, 'little') + b'\\xcd\\x80\\xc3'  # mov eax, nr; int 0x80; ret\n"
+         "    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+         "    m.write(code)\n"
+         "    return ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(m)))()\n")
+
+
+@needs_root
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="x86_64 machine code")
+def test_the_32_bit_system_call_abi_kills_the_program(contained):
+    """``int 0x80`` from a 64-bit process (i386 numbers: 20 is ``getpid``, 310 ``unshare`` is not even checked
+    there) reaches the filter as another architecture: the program is killed, the test fails."""
+    namespace = {}
+    exec(INT80, namespace)
+    assert namespace["int80"](20) == os.getpid()  # control: the machine code works outside the sandbox
+    report, _ = hostile(INT80, [{"call": "int80(20)", "expected": "1"}])
+    assert report.statuses == ("error",), report
+
+
+COLLIDING = ("M = 2 ** 61 - 1  # k * M all hash to 0\n"
+             "def add(a, b):\n"
+             "    frame('{\"d\":[[\"status\",\"ok\"],[\"value\",{\"s\":[' + ','.join(str(k * M) for k in range(1, 300_000)) + ']}]]}')\n"
+             "    return 3\n")
+
+
+def test_sets_of_colliding_hashes_are_refused_before_they_are_built():
+    M = 2 ** 61 - 1
+    colliding = ('{"s":[' + ",".join(str(k * M) for k in range(1, 20_001)) + "]}").encode()
+    started = time.process_time()
+    with pytest.raises(ValueError):
+        from_json(colliding)
+    with pytest.raises(ValueError):
+        from_json(('{"d":[' + ",".join(f"[{k * M},0]" for k in range(1, 20_001)) + "]}").encode())
+    assert time.process_time() - started < 0.5  # building them took 1.6 s each (minutes for 8 MB of them)
+    honest = list(range(200_000)) + [-1, -2, 1.5, "a", (1, 2)]  # -1 and -2 share a hash: a few collisions are fine
+    assert from_json(('{"s":[' + ",".join(json.dumps(x) if not isinstance(x, tuple) else '{"t":[1,2]}' for x in honest) + "]}").encode()) == frozenset(honest)
+
+
+@needs_root
+def test_an_answer_of_colliding_hashes_does_not_hold_the_driver(contained):
+    """8 MB of integers hashing alike, as ``check``'s answer: the driver spent minutes of CPU building the set
+    (no alarm interrupts C code) until the grader's backstop killed it."""
+    report, seconds = hostile(FRAME + COLLIDING, ADD_CHECK_CODE, entry_point="add")
+    assert report.passed == 0 and seconds < 2 * FAST.timeout_s + 5, (report, seconds)

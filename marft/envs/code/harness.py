@@ -60,6 +60,10 @@ INT_DIGITS_COST = 4 * MAX_INT_DIGITS ** 2
 """Budget of one answer's long integers, in squared digits (their decoding cost): four of the longest
 (about a quarter of a second), or many shorter ones; integers up to ``SHORT_INT_DIGITS`` are free."""
 SHORT_INT_DIGITS = 4300
+MAX_HASH_COLLISIONS = 1000
+"""Set elements and dict keys of one answer that may share a hash with another of the same set or dict: equal
+hashes make building a set quadratic (``k * (2**61 - 1)`` all hash to 0: 20,000 such integers take 1.6 s, 8 MB
+of them minutes of the driver's CPU, in C that no alarm interrupts). Honest answers have a handful."""
 SANDBOX_PATH = "/usr/bin:/bin"
 
 _type, _len, _isinstance = type, len, isinstance
@@ -129,10 +133,12 @@ def _tagged(pairs):
     if tag == "t" and _type(body) is list:
         return tuple(body)
     if tag == "s" and _type(body) is list:
+        _count_collisions(body)
         return frozenset(body)
     if tag == "d" and _type(body) is list:
         if not all(_type(item) is list and _len(item) == 2 for item in body):
             raise ValueError("bad dict")
+        _count_collisions([k for k, _ in body])
         return {k: v for k, v in body}
     if tag == "b" and _type(body) is str:
         return bytes.fromhex(body)
@@ -143,6 +149,18 @@ def _tagged(pairs):
 
 _int_cost = [0]
 """Squared digits of long integers decoded so far in the current answer (``from_json`` resets it)."""
+
+
+_collisions = [0]
+"""Set elements and dict keys of the current answer whose hash another one already had (``from_json`` resets it)."""
+
+
+def _count_collisions(items):
+    """Count repeated hashes before a set or dict is built from ``items`` (hashing is linear; ValueError past the budget)."""
+    if _len(items) > 1:
+        _collisions[0] += _len(items) - _len({hash(item) for item in items})
+        if _collisions[0] > MAX_HASH_COLLISIONS:
+            raise ValueError("set elements or dict keys with colliding hashes")
 
 
 def _bounded_int(text):
@@ -172,7 +190,7 @@ def from_json(data):
         import _json
 
         _scanner = _json.make_scanner(_ScanContext())
-    _int_cost[0] = 0
+    _int_cost[0] = _collisions[0] = 0
     try:
         text = data.decode("utf-8")
         value, end = _scanner(text, 0)
