@@ -267,3 +267,22 @@ def test_an_answer_of_colliding_hashes_does_not_hold_the_driver(contained):
     (no alarm interrupts C code) until the grader's backstop killed it."""
     report, seconds = hostile(FRAME + COLLIDING, ADD_CHECK_CODE, entry_point="add")
     assert report.passed == 0 and seconds < 2 * FAST.timeout_s + 5, (report, seconds)
+
+
+@needs_root
+def test_with_debug_logging_the_program_cannot_write_into_the_graders_log(contained, caplog):
+    """With DEBUG logging the candidate kept a copy of the driver's stderr (the grader's memory file, logged
+    after the run) open at fd 10 while the program ran: program text reached the trainer's log."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="marft.envs.code.sandbox")
+    program = ("import os\n"
+               "for fd in range(5, 64):\n"
+               "    try:\n"
+               "        os.write(fd, b'INJECTED-BY-THE-PROGRAM\\n')\n"
+               "    except OSError:\n"
+               "        pass\n"
+               "def add(a, b):\n"
+               "    return 0\n")
+    report, _ = hostile(program, [{"call": "add(1, 2)", "expected": "3"}])
+    assert report.passed == 0 and "INJECTED" not in caplog.text, caplog.text[-500:]

@@ -515,10 +515,12 @@ def start_candidate(job, req_fd, resp_fd):
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    log = [log_fd]  # closed by ``serve`` before any program code runs (the program must not write the grader's log)
     try:
         os.setsid()  # a session and process group of its own: kill(0) reaches nothing outside
-        serve(job, req_fd, resp_fd, libc)
+        serve(job, req_fd, resp_fd, libc, log)
     except BaseException as e:  # noqa: BLE001 - never return into the driver's code
+        log_fd = log[0]
         if log_fd >= 0:
             import traceback
 
@@ -619,9 +621,14 @@ def fresh_namespace(name="__main__"):
     return {"__name__": name, "__builtins__": dict(_ORIGINAL_BUILTINS)}
 
 
-def serve(job, req_fd, resp_fd, libc):
-    """The candidate: build the sandbox, load the program, answer requests until the driver closes the pipe."""
+def serve(job, req_fd, resp_fd, libc, log=None):
+    """The candidate: build the sandbox, load the program, answer requests until the driver closes the pipe.
+    ``log``: ``[fd]`` of the driver's stderr (DEBUG only, for failures building the sandbox), closed here
+    before any program code runs."""
     done = enter_sandbox(job, libc)
+    if log and log[0] >= 0:
+        os.close(log[0])
+        log[0] = -1
     os.environ.clear()
     os.environ.update({"PATH": SANDBOX_PATH, "HOME": os.getcwd(), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"})
     sys.argv = [""]
