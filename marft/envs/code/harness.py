@@ -56,6 +56,14 @@ LAYERS = ("network", "mounts", "uid", "pid", "ipc", "cgroup", "filesystem", "sec
 BUILTIN_EXCEPTIONS = frozenset(name for name, value in vars(builtins).items() if isinstance(value, type) and issubclass(value, BaseException))
 MAX_INT_DIGITS = 100_000
 """Longest integer the driver decodes from a candidate's answer (``int`` of text is quadratic)."""
+INT_DIGITS_COST = 4 * MAX_INT_DIGITS ** 2
+"""Budget of one answer's long integers, in squared digits (their decoding cost): four of the longest
+(about a quarter of a second), or many shorter ones; integers up to ``SHORT_INT_DIGITS`` are free."""
+SHORT_INT_DIGITS = 4300
+MAX_HASH_COLLISIONS = 1000
+"""Set elements and dict keys of one answer that may share a hash with another of the same set or dict: equal
+hashes make building a set quadratic (``k * (2**61 - 1)`` all hash to 0: 20,000 such integers take 1.6 s, 8 MB
+of them minutes of the driver's CPU, in C that no alarm interrupts). Honest answers have a handful."""
 SANDBOX_PATH = "/usr/bin:/bin"
 
 _type, _len, _isinstance = type, len, isinstance
@@ -125,10 +133,12 @@ def _tagged(pairs):
     if tag == "t" and _type(body) is list:
         return tuple(body)
     if tag == "s" and _type(body) is list:
+        _count_collisions(body)
         return frozenset(body)
     if tag == "d" and _type(body) is list:
         if not all(_type(item) is list and _len(item) == 2 for item in body):
             raise ValueError("bad dict")
+        _count_collisions([k for k, _ in body])
         return {k: v for k, v in body}
     if tag == "b" and _type(body) is str:
         return bytes.fromhex(body)
@@ -137,9 +147,30 @@ def _tagged(pairs):
     raise ValueError("unknown tag")
 
 
+_int_cost = [0]
+"""Squared digits of long integers decoded so far in the current answer (``from_json`` resets it)."""
+
+
+_collisions = [0]
+"""Set elements and dict keys of the current answer whose hash another one already had (``from_json`` resets it)."""
+
+
+def _count_collisions(items):
+    """Count repeated hashes before a set or dict is built from ``items`` (hashing is linear; ValueError past the budget)."""
+    if _len(items) > 1:
+        _collisions[0] += _len(items) - _len({hash(item) for item in items})
+        if _collisions[0] > MAX_HASH_COLLISIONS:
+            raise ValueError("set elements or dict keys with colliding hashes")
+
+
 def _bounded_int(text):
-    if _len(text) > MAX_INT_DIGITS:
+    n = _len(text)
+    if n > MAX_INT_DIGITS:
         raise ValueError("integer too long")
+    if n > SHORT_INT_DIGITS:
+        _int_cost[0] += n * n
+        if _int_cost[0] > INT_DIGITS_COST:
+            raise ValueError("too many long integers")
     return int(text)
 
 
@@ -159,6 +190,7 @@ def from_json(data):
         import _json
 
         _scanner = _json.make_scanner(_ScanContext())
+    _int_cost[0] = _collisions[0] = 0
     try:
         text = data.decode("utf-8")
         value, end = _scanner(text, 0)
@@ -214,10 +246,25 @@ def values_equal(actual, expected, rel_tol=REL_TOL, abs_tol=ABS_TOL):
     if _isinstance(actual, (list, tuple)) and _isinstance(expected, (list, tuple)):
         return _len(actual) == _len(expected) and all(values_equal(a, e, rel_tol, abs_tol) for a, e in zip(actual, expected))
     if _isinstance(actual, dict) and _isinstance(expected, dict):
-        return actual.keys() == expected.keys() and all(values_equal(actual[k], expected[k], rel_tol, abs_tol) for k in actual)
+        got, want = {_typed_key(k): v for k, v in actual.items()}, {_typed_key(k): v for k, v in expected.items()}
+        return got.keys() == want.keys() and all(values_equal(got[k], want[k], rel_tol, abs_tol) for k in got)
     if _isinstance(actual, (set, frozenset)) and _isinstance(expected, (set, frozenset)):
-        return set(actual) == set(expected)
+        return {_typed_key(v) for v in actual} == {_typed_key(v) for v in expected}
     return _type(actual) is _type(expected) and actual == expected
+
+
+def _typed_key(value):
+    """A set element or dict key as a hashable value equal only to one of the same kind (``True``, ``1`` and
+    ``1.0`` differ, as ``values_equal`` has them; hashing alone makes them one key), lists and tuples alike,
+    every NaN alike. Compared exactly: no float tolerance inside sets and keys."""
+    kind = _type(value)
+    if kind is float and value != value:
+        return ("nan",)
+    if kind is tuple or kind is list:
+        return ("sequence",) + tuple(_typed_key(item) for item in value)
+    if kind is frozenset or kind is set:
+        return ("set", frozenset(_typed_key(item) for item in value))
+    return (kind.__name__, value)
 
 
 def _is_integer_token(token):
@@ -468,10 +515,12 @@ def start_candidate(job, req_fd, resp_fd):
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    log = [log_fd]  # closed by ``serve`` before any program code runs (the program must not write the grader's log)
     try:
         os.setsid()  # a session and process group of its own: kill(0) reaches nothing outside
-        serve(job, req_fd, resp_fd, libc)
+        serve(job, req_fd, resp_fd, libc, log)
     except BaseException as e:  # noqa: BLE001 - never return into the driver's code
+        log_fd = log[0]
         if log_fd >= 0:
             import traceback
 
@@ -572,9 +621,14 @@ def fresh_namespace(name="__main__"):
     return {"__name__": name, "__builtins__": dict(_ORIGINAL_BUILTINS)}
 
 
-def serve(job, req_fd, resp_fd, libc):
-    """The candidate: build the sandbox, load the program, answer requests until the driver closes the pipe."""
+def serve(job, req_fd, resp_fd, libc, log=None):
+    """The candidate: build the sandbox, load the program, answer requests until the driver closes the pipe.
+    ``log``: ``[fd]`` of the driver's stderr (DEBUG only, for failures building the sandbox), closed here
+    before any program code runs."""
     done = enter_sandbox(job, libc)
+    if log and log[0] >= 0:
+        os.close(log[0])
+        log[0] = -1
     os.environ.clear()
     os.environ.update({"PATH": SANDBOX_PATH, "HOME": os.getcwd(), "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"})
     sys.argv = [""]
@@ -681,6 +735,7 @@ class Driver:
                 os._exit(71)
         os.close(from_driver)
         os.close(from_child)
+        os.set_blocking(to_child, False)  # a candidate that stops reading must not hold the driver past its clock
         self.pid, self.req_fd, self.resp_fd = pid, to_child, to_driver
         self.oom_before = self._oom_kills()
         ready = self.answer(time.monotonic() + self.job["startup_s"], 1 << 16)
@@ -741,11 +796,28 @@ class Driver:
     # -- one exchange
     def request(self, message, deadline, cap):
         """Send one request, return the decoded answer (a dict), or raise ``Lost``."""
-        try:
-            send_frame(self.req_fd, message if _type(message) is bytes else marshal.dumps(message))
-        except OSError:
-            raise Lost(self.ended(deadline)) from None
+        data = message if _type(message) is bytes else marshal.dumps(message)
+        self._write(memoryview(_len(data).to_bytes(4, "big") + data), deadline)
         return self.answer(deadline, cap)
+
+    def _write(self, data, deadline):
+        """Write a request before ``deadline`` (the pipe is non-blocking: a candidate that does not read it
+        times out like one that does not answer)."""
+        poller = select.poll()
+        poller.register(self.req_fd, select.POLLOUT)
+        while data:
+            try:
+                data = data[os.write(self.req_fd, data):]
+                continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                raise Lost(self.ended(deadline)) from None
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not poller.poll(max(1, int(wait * 1000))):
+                if time.monotonic() >= deadline:
+                    self.close()
+                    raise Lost("timeout")
 
     def answer(self, deadline, cap):
         """Read one frame of at most ``cap`` bytes before ``deadline`` and decode it."""
@@ -880,7 +952,10 @@ def judge(driver, kind, tests, i, timeout_s):
             actual = answer["value"]
             right = _type(actual) is int and str(actual) == expected[1]
         else:
-            right = values_equal(answer["value"], expected)
+            try:
+                right = values_equal(answer["value"], expected)
+            except RecursionError:  # an answer nested as deeply as the decoder allows
+                right = False
         return ("passed" if right else "failed"), ""
     return run_check(driver, tests, deadline)
 

@@ -7,8 +7,8 @@ any program code runs:
 
 ==================  ===========================================================================
 resource limits     CPU seconds, address space, processes, file size, open files, no core files
-cgroup              memory (tmpfs and shared memory included, no swap) and process count of the
-                    whole program, per slot (``/sys/fs/cgroup/{memory,pids}/marft-sandbox/<k>``
+cgroup              memory (tmpfs and shared memory included, no swap), process count and CPU
+                    cores (``SandboxLimits.cpus``, where the cpu controller is) of the whole program, per slot (``/sys/fs/cgroup/{memory,pids}/marft-sandbox/<k>``
                     on cgroup v1, ``/sys/fs/cgroup/marft-sandbox/<k>`` on v2)
 namespaces          PID (the candidate is PID 1: its processes end with it), IPC, UTS, network
                     (no interface up), mount
@@ -78,9 +78,12 @@ class SandboxLimits:
     """Wall-clock budget for all tests of one program; tests not reached by then time out."""
     max_restarts: int = 8
     """Fresh candidate processes after one died or timed out mid-test, before the remaining tests fail alike."""
+    cpus: float = 1.0
+    """CPU cores the whole program may use at once, its processes together (a cgroup CPU quota where available;
+    ``RLIMIT_CPU`` and the wall clock hold per process and per test, so 32 processes could otherwise take 32 cores)."""
 
     def __post_init__(self):
-        if self.timeout_s <= 0 or self.memory_mb < 64 or self.processes < 1 or self.file_bytes < 1024:
+        if self.timeout_s <= 0 or self.memory_mb < 64 or self.processes < 1 or self.file_bytes < 1024 or self.cpus < 0.01:
             raise ValueError(f"unusable sandbox limits: {self}")
 
     def cpu_seconds(self, n_tests: int) -> int:
@@ -116,7 +119,8 @@ class Isolation:
     ipc: bool = False
     """An IPC namespace: System V and POSIX IPC objects are private and go with the run."""
     cgroup: bool = False
-    """A cgroup capping memory (tmpfs and shared memory included) and processes of the whole program."""
+    """A cgroup capping memory (tmpfs and shared memory included) and processes of the whole program (and its
+    CPU cores where the cpu controller is there: ``Cgroups.cpu``)."""
     filesystem: bool = False
     """A minimal read-only root: system folders without site-packages, its own /proc, a tmpfs /sandbox."""
     seccomp: bool = False
@@ -205,6 +209,8 @@ class Cgroups:
     def __init__(self, k: int):
         self.procs: list[str] = []
         self.oom_events: str | None = None
+        self.cpu: Path | None = None
+        """The cgroup holding the CPU quota (``cpu`` controller), or None where there is none."""
         self._limits: list[tuple[Path, str]] = []
         try:
             if (self.V1 / "memory" / "memory.limit_in_bytes").exists() and (self.V1 / "pids").is_dir():
@@ -214,14 +220,27 @@ class Cgroups:
                 self.memory, self.pids, self.version = memory, pids, 1
                 self.procs = [str(memory / "cgroup.procs"), str(pids / "cgroup.procs")]
                 self.oom_events = str(memory / "memory.oom_control")
+                if (self.V1 / "cpu" / "cpu.cfs_quota_us").exists():
+                    cpu = self.V1 / "cpu" / "marft-sandbox" / str(k)
+                    cpu.mkdir(parents=True, exist_ok=True)
+                    self.cpu = cpu
+                    self.procs.append(str(cpu / "cgroup.procs"))
             elif "memory" in (self.V1 / "cgroup.controllers").read_text().split():
                 parent = self.V1 / "marft-sandbox"
                 parent.mkdir(exist_ok=True)
                 for folder in (self.V1, parent):
                     (folder / "cgroup.subtree_control").write_text("+memory +pids")
+                if "cpu" in (self.V1 / "cgroup.controllers").read_text().split():
+                    try:
+                        for folder in (self.V1, parent):
+                            (folder / "cgroup.subtree_control").write_text("+cpu")
+                    except OSError:
+                        pass
                 group = parent / str(k)
                 group.mkdir(exist_ok=True)
                 self.memory = self.pids = group
+                if (group / "cpu.max").exists():
+                    self.cpu = group
                 self.version = 2
                 self.procs = [str(group / "cgroup.procs")]
                 self.oom_events = str(group / "memory.events")
@@ -232,7 +251,7 @@ class Cgroups:
     def available(self) -> bool:
         return bool(self.procs)
 
-    def set_limits(self, memory_bytes: int, processes: int) -> None:
+    def set_limits(self, memory_bytes: int, processes: int, cpus: float = 1.0) -> None:
         """Caps for the next run (the program's processes and their files in tmpfs together)."""
         if self.version == 1:
             files = [(self.memory / "memory.limit_in_bytes", memory_bytes), (self.memory / "memory.memsw.limit_in_bytes", memory_bytes)]
@@ -245,11 +264,16 @@ class Cgroups:
                 except OSError:
                     files.reverse()
             (self.pids / "pids.max").write_text(str(processes))
+            if self.cpu is not None:
+                (self.cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (self.cpu / "cpu.cfs_quota_us").write_text(str(max(1000, int(cpus * CPU_PERIOD_US))))
         else:
             (self.memory / "memory.max").write_text(str(memory_bytes))
             if (self.memory / "memory.swap.max").exists():
                 (self.memory / "memory.swap.max").write_text("0")
             (self.pids / "pids.max").write_text(str(processes))
+            if self.cpu is not None:
+                (self.cpu / "cpu.max").write_text(f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}")
 
     def members(self) -> list[int]:
         pids = set()
@@ -275,6 +299,9 @@ class Cgroups:
             time.sleep(0.005)
         return True
 
+
+CPU_PERIOD_US = 100_000
+"""Period of the cgroup CPU quota: a program gets ``cpus * CPU_PERIOD_US`` microseconds of CPU in each."""
 
 _checked_slots: set[int] = set()
 """Slot uids this process has already cleaned up once (later runs clean up after themselves)."""
@@ -417,7 +444,7 @@ class HarnessRun:
             workdir = str(slot.workdir) if slot.workdir else tempfile.mkdtemp(prefix="marft-sandbox-")
             cgroups = slot.cgroups if slot.cgroups is not None and slot.cgroups.available else None
             if cgroups is not None:
-                cgroups.set_limits(self.limits.memory_mb << 20, self.limits.processes)
+                cgroups.set_limits(self.limits.memory_mb << 20, self.limits.processes, self.limits.cpus)
             binds, hidden = filesystem_view() if slot.uid > 0 else ((), ())
             read_fd, write_fd = os.pipe()
             err_fd = os.memfd_create("harness-stderr")
