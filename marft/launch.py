@@ -230,7 +230,11 @@ def train(config: TrainConfig, validated=None) -> dict:
     Raises:
         ValueError / FileNotFoundError: a bad input (profile, model path, data, environment), before the model loads.
     """
-    runner = build_runner(config, validated)
+    return run_training(build_runner(config, validated))
+
+
+def run_training(runner) -> dict:
+    """``runner.run()``, with the seconds it took in the summary."""
     start = time.perf_counter()
     summary = runner.run()
     summary["seconds"] = time.perf_counter() - start
@@ -261,7 +265,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     from marft.faults import CheckpointError, Preempted, SaveFailed, TrainingStopped
 
     try:
-        summary = train(config, validated)
+        runner = build_runner(config, validated)
+    except (OSError, ValueError) as error:  # what only the loaded model can tell (e.g. --lora_target_modules it lacks)
+        print(f"error: {error}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    try:
+        summary = run_training(runner)
     except Preempted as stop:
         print(f"stopped: {stop}", file=sys.stderr)
         return ExitCode.PREEMPTED
