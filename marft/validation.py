@@ -3,8 +3,8 @@
 Each field is checked twice over, before anything loads:
 
 * by its **type hint** (read from the dataclass): an ``int`` field holds an integer (not a bool), a ``float``
-  field a finite real number (never NaN or inf), a ``str`` a string, a ``bool`` a bool; ``Optional[X]`` also
-  takes None;
+  field a finite real number (never NaN or inf), a ``str`` a non-empty string, a ``bool`` a bool; ``Optional[X]``
+  also takes None (and, for strings, an empty one);
 * by its **rule** in :data:`RULES` (the allowed range), which ``--help`` shows after the field's text.
 
 Every numeric field must have a rule (a test fails otherwise), so a new flag cannot slip in unchecked.
@@ -119,6 +119,8 @@ def check_value(name: str, hint: Any, value: Any) -> None:
     if kind is str:
         if not isinstance(value, str):
             raise ValueError(f"--{name} must be a string, got {value!r}")
+        if not value.strip() and not optional:
+            raise ValueError(f"--{name} must not be empty")
         return
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
