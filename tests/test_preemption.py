@@ -400,3 +400,38 @@ def test_low_free_space_warns_before_training(random_model_dir, tmp_path, monkey
     with caplog.at_level(logging.WARNING):
         assert main(flags(random_model_dir, tmp_path / "run", "--save_every_minutes", "0", "--continue_on_save_error", iterations=1)) == 0
     assert "only 9.8 KB free on the disk of" in caplog.text and "one checkpoint takes about" in caplog.text
+
+
+# ---------------------------------------------------------------------- several processes
+def test_sigterm_to_one_of_two_processes_stops_both_with_one_checkpoint(random_model_dir, tmp_path):
+    """torchrun, 2 processes: SIGTERM to rank 1 alone (rank 0 never sees it) stops both at the same boundary, both
+    save their part of one checkpoint and exit with 75; the run then continues from it with 2 processes."""
+    from test_distributed import E as DIST_E, TORCHRUN, WORKER, ENV, flags as dist_flags, ranks, train as dist_train
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    child = subprocess.Popen(
+        [*TORCHRUN, str(WORKER), "train", str(out), "--", *dist_flags(random_model_dir, 200, run, "--save_interval", "2", "--dist_timeout_s", "60")],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not (run / "checkpoints" / "steps_2").is_dir():
+            assert child.poll() is None, child.stderr.read()[-3000:]
+            assert time.monotonic() < deadline, "the run never saved its first checkpoint"
+            time.sleep(0.2)
+        os.kill(int((out / "pid1").read_text()), signal.SIGTERM)
+        child.wait(timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    first, second = ranks(out)
+    assert first["code"] == second["code"] == ExitCode.PREEMPTED, (first, second)
+    assert first["hash"] == second["hash"]
+    checkpoint = find_checkpoint(run)
+    stopped_at = int(checkpoint.name.split("_")[1])
+    assert stopped_at >= 2 and json.loads((checkpoint / "trainer_state.json").read_text())["world_size"] == 2
+    done = dist_train(tmp_path / "resumed", ["--load_path", str(run), "--num_env_steps", str(DIST_E * (stopped_at + 1))])
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = ranks(tmp_path / "resumed")
+    assert first["code"] == second["code"] == 0 and first["hash"] == second["hash"]
