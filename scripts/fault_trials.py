@@ -4,7 +4,9 @@
 
 First the run goes through in one go (the reference). Each trial then starts the same run, sends SIGTERM
 or SIGKILL (chosen at random) after a random delay within the reference's wall time, and continues it with
-``--load_path <run dir>`` (after a SIGKILL before any checkpoint: from scratch), until it finishes. A trial
+``--load_path <run dir>`` (after a SIGKILL before any checkpoint: from scratch), until it finishes. The delay
+counts from the moment the run directory's ``config.json`` appears (the model is loaded and the runner starts),
+so every signal lands in training: the first evaluation, a rollout, an update, a save or the last evaluation. A trial
 *continued exactly* when its final checkpoint equals the reference's bit for bit (every adapter and value-head
 weight; iteration, env steps, counters, env states, running returns, RNG states). Also counted: SIGTERMs that
 exited with 75 and a checkpoint, tracebacks on stderr (there should be none), runs that ended before the
@@ -73,6 +75,16 @@ def latest(run: Path):
         return None
 
 
+def wait_for_start(child: subprocess.Popen, run: Path, timeout: float) -> float:
+    """Seconds until ``run/config.json`` exists (the runner has started) or the child ended."""
+    began = time.perf_counter()
+    while not (run / "config.json").exists() and child.poll() is None:
+        if time.perf_counter() - began > timeout:
+            raise TimeoutError(f"{run} never started")
+        time.sleep(0.05)
+    return time.perf_counter() - began
+
+
 def trial(index: int, rng: random.Random, flags: list[str], reference: dict, duration: float, root: Path, timeout: float) -> dict:
     from marft.runner.shared.checkpoint import read_checkpoint_meta
 
@@ -80,6 +92,7 @@ def trial(index: int, rng: random.Random, flags: list[str], reference: dict, dur
     delay = rng.uniform(0.0, duration)
     run = root / f"trial{index}"
     child = start([*flags, "--output_dir", str(run)])
+    wait_for_start(child, run, timeout)
     time.sleep(delay)
     finished_before = child.poll() is not None
     if not finished_before:
@@ -119,9 +132,11 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="fault_trials_"))
     began = time.perf_counter()
     reference_run = root / "reference"
+    child = start([*flags, "--output_dir", str(reference_run)])
+    wait_for_start(child, reference_run, args.timeout)
     t0 = time.perf_counter()
-    code, err = finish([*flags, "--output_dir", str(reference_run)], args.timeout)
-    duration = time.perf_counter() - t0
+    _, err = child.communicate(timeout=args.timeout)
+    code, duration = child.returncode, time.perf_counter() - t0  # from the runner's start to the end
     if code != 0:
         print(err[-3000:], file=sys.stderr)
         return 1
@@ -147,7 +162,7 @@ def main() -> int:
         return out
 
     print(json.dumps({
-        "trials": len(results), "seed": args.seed, "flags": flags, "reference_seconds": round(duration, 1),
+        "trials": len(results), "seed": args.seed, "flags": flags, "reference_training_seconds": round(duration, 1),
         "continued_exactly": sum(r["continued_exactly"] for r in results), "tracebacks": sum(r["traceback"] for r in results),
         "SIGTERM": count("SIGTERM"), "SIGKILL": count("SIGKILL"),
         "failures": [r for r in results if not r["continued_exactly"] or r["traceback"]],
