@@ -435,3 +435,26 @@ def test_sigterm_to_one_of_two_processes_stops_both_with_one_checkpoint(random_m
     assert done.returncode == 0, done.stderr[-3000:]
     first, second = ranks(tmp_path / "resumed")
     assert first["code"] == second["code"] == 0 and first["hash"] == second["hash"]
+
+
+# ---------------------------------------------------------------------- the math grader's worker
+def test_the_grading_worker_is_out_of_reach_of_ctrl_c_and_ends_quietly_when_the_trainer_dies():
+    """A Ctrl-C goes to the terminal's whole process group: the worker has its own session, so it keeps grading
+    while the trainer finishes its phase. A trainer killed while the worker answers leaves no traceback."""
+    from marft.envs.math.grader import MathGrader, default_worker_command
+
+    grader = MathGrader()
+    try:
+        worker = grader._ensure_worker()
+        assert os.getsid(worker.pid) != os.getsid(0)
+    finally:
+        grader.close()
+
+    worker = subprocess.Popen(default_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert worker.stdout.readline().strip() == b'"ready"'
+    worker.stdout.close()  # the trainer is gone: nobody reads the answers
+    worker.stdin.write(json.dumps({"pairs": [["\\boxed{1}", "1"]] * 2000}).encode() + b"\n")
+    worker.stdin.close()
+    worker.wait(timeout=60)
+    err = worker.stderr.read().decode()
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
