@@ -13,8 +13,8 @@ exited with 75 and a checkpoint, tracebacks on stderr (there should be none), ru
 signal, and whether the newest checkpoint left by a SIGKILL passed its manifest check.
 
 The run: ``scripts/train_math.py`` with the defaults (the embedded tiny model, the Reasoner -> Actor team,
-generated arithmetic, APPO) shrunk to be quick: ``--n_rollout_threads 4 --episode_length 2`` for 6 iterations,
-4 evaluation episodes, periodic saves every few seconds (``--save_every_minutes 0.05``) and the default
+generated arithmetic, APPO) shrunk to be quick: ``--n_rollout_threads 4 --episode_length 2`` for 12 iterations,
+4 evaluation episodes, periodic saves every second or so (``--save_every_minutes 0.02``) and the default
 ``--keep_checkpoints 2``. Extra flags after ``--`` replace these.
 """
 
@@ -36,8 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RUN_FLAGS = ["--n_rollout_threads", "4", "--episode_length", "2", "--num_env_steps", "48", "--eval_episodes", "4",
-             "--n_eval_threads", "4", "--save_every_minutes", "0.05"]
+RUN_FLAGS = ["--n_rollout_threads", "4", "--episode_length", "2", "--num_env_steps", "96", "--eval_episodes", "4",
+             "--n_eval_threads", "4", "--save_every_minutes", "0.02"]
 STATE_KEYS = ("iteration", "env_steps", "next_agents", "counters", "episode_returns", "envs", "rng")
 
 
