@@ -6,6 +6,10 @@ parallel environments; agents act in profile order on each environment's shared 
 With several processes (:mod:`marft.distributed`) every process runs this loop on its own share of the
 environments; rank 0 alone writes the run directory (config, TensorBoard, progress bar, summary,
 checkpoints), with metrics averaged over the processes, and every process resumes from the checkpoint.
+
+Stops from outside (:mod:`marft.runner.shared.preemption`): SIGTERM/SIGINT end the run at the next phase
+boundary with one checkpoint (a half-done rollout is rewound), and checkpoints are also saved by time.
+Write errors (:mod:`marft.runner.shared.storage`) stop the run cleanly or, if asked, only warn.
 """
 
 from __future__ import annotations
