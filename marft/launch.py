@@ -291,4 +291,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from marft.runner.shared.preemption import ignore_stop_signals
+
+    code = main()
+    ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit
+    sys.exit(code)

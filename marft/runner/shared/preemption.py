@@ -114,6 +114,13 @@ class Preemption:
         return save, stop
 
 
+def ignore_stop_signals() -> None:
+    """For a command whose work is done (or saved): SIGTERM/SIGINT during the interpreter's shutdown change nothing,
+    so they no longer kill it mid-exit (call it only in a process about to exit: it is global)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def _say(text: str) -> None:
     """Write to stderr from a signal handler (no buffered I/O)."""
     try:
