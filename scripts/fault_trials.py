@@ -10,7 +10,8 @@ so every signal lands in training: the first evaluation, a rollout, an update, a
 *continued exactly* when its final checkpoint equals the reference's bit for bit (every adapter and value-head
 weight; iteration, env steps, counters, env states, running returns, RNG states). Also counted: SIGTERMs that
 exited with 75 and a checkpoint, tracebacks on stderr (there should be none), runs that ended before the
-signal, and whether the newest checkpoint left by a SIGKILL passed its manifest check.
+signal, whether the newest checkpoint left by a SIGKILL passed its manifest check, and partial ``.steps_*``
+folders still there after the continuation (a killed save's are removed when the run starts again).
 
 The run: ``scripts/train_math.py`` with the defaults (the embedded tiny model, the Reasoner -> Actor team,
 generated arithmetic, APPO) shrunk to be quick: ``--n_rollout_threads 4 --episode_length 2`` for 12 iterations,
@@ -114,6 +115,7 @@ def trial(index: int, rng: random.Random, flags: list[str], reference: dict, dur
         code, err = finish(resume, timeout)
         result["resume_exit_code"] = code
         result["traceback"] = result["traceback"] or "Traceback" in err
+    result["partial_folders_left"] = len([p for p in (run / "checkpoints").glob(".steps_*")]) if (run / "checkpoints").is_dir() else 0
     final = run / "checkpoints" / f"steps_{reference['iterations']}"
     result["continued_exactly"] = final.is_dir() and fingerprint(final) == reference["fingerprint"]
     shutil.rmtree(run, ignore_errors=True)
@@ -164,8 +166,9 @@ def main() -> int:
     print(json.dumps({
         "trials": len(results), "seed": args.seed, "flags": flags, "reference_training_seconds": round(duration, 1),
         "continued_exactly": sum(r["continued_exactly"] for r in results), "tracebacks": sum(r["traceback"] for r in results),
+        "partial_folders_left": sum(r["partial_folders_left"] for r in results),
         "SIGTERM": count("SIGTERM"), "SIGKILL": count("SIGKILL"),
-        "failures": [r for r in results if not r["continued_exactly"] or r["traceback"]],
+        "failures": [r for r in results if not r["continued_exactly"] or r["traceback"] or r["partial_folders_left"]],
         "seconds": round(time.perf_counter() - began, 1),
     }, indent=2))
     return 0
