@@ -27,6 +27,7 @@ from marft.agents.prompts import CHAT_TEMPLATE_MODES
 from marft.algorithms import TRAINERS
 from marft.algorithms.advantages import CREDIT_MODES
 from marft.algorithms.losses import NORMALIZATION_MODES
+from marft.validation import check_fields, rule_text
 from marft.workflows import WORKFLOWS
 
 
@@ -78,24 +79,15 @@ class ModelConfig:
     """Recompute the base model's layer activations in the backward pass of the update instead of keeping them (less memory for long replies, about one more forward of time)."""
 
     def __post_init__(self):
-        if self.n_agents is not None and self.n_agents < 1:
-            raise ValueError(f"--n_agents must be at least 1, got {self.n_agents}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        check_fields(self)  # types, finite numbers and ranges (marft.validation.RULES)
         if self.context_window <= self.max_new_tokens:
             raise ValueError(
                 f"--context_window ({self.context_window}) must exceed --max_new_tokens ({self.max_new_tokens})"
             )
-        if self.temperature <= 0:
-            raise ValueError(f"--temperature must be positive, got {self.temperature}")
         check_choice("dtype", self.dtype)
         check_choice("critic_mode", self.critic_mode)
         check_choice("chat_template", self.chat_template)
         check_choice("generation_backend", self.generation_backend)
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"--lora_dropout must be in [0, 1), got {self.lora_dropout}")
-        if self.top_k < 0:
-            raise ValueError(f"--top_k must be >= 0 (0: off), got {self.top_k}")
 
 
 @dataclass
@@ -116,11 +108,8 @@ class EnvConfig:
     """Orchestrated workflows: the most specialist calls per team step (the step is graded after the last)."""
 
     def __post_init__(self):
-        if self.horizon < 1:
-            raise ValueError(f"--horizon must be at least 1, got {self.horizon}")
+        check_fields(self)
         check_choice("workflow", self.workflow)
-        if self.max_turns < 1:
-            raise ValueError(f"--max_turns must be at least 1 (specialist calls per team step), got {self.max_turns}")
 
 
 @dataclass
@@ -189,26 +178,15 @@ class AlgoConfig:
     """Stop training (pointing to the last good checkpoint) once one optimizer has skipped this many minibatches in a row for a non-finite loss or gradient (0: never stop)."""
 
     def __post_init__(self):
+        check_fields(self)
         check_choice("algorithm_name", self.algorithm_name)
         check_choice("normalization_mode", self.normalization_mode)
         check_choice("credit_assignment", self.credit_assignment)
-        if not 0.0 < self.credit_discount <= 1.0:
-            raise ValueError(f"--credit_discount must be in (0, 1], got {self.credit_discount}")
-        if self.kl_coef < 0:
-            raise ValueError(f"--kl_coef must be >= 0, got {self.kl_coef}")
-        for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
                 f"of one has no spread, every advantage is 0 and nothing is learned; use --group_size 2 or more (default 4)"
             )
-        for name in ("agent_iteration_interval", "warmup_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_consecutive_skips < 0:
-            raise ValueError(f"--max_consecutive_skips must be >= 0, got {self.max_consecutive_skips}")
 
 
 @dataclass
@@ -228,7 +206,9 @@ class RunnerConfig:
     experiment_name: str = "marft"
     """Name used for the default run directory."""
     save_interval: int = 0
-    """Save a checkpoint every this many iterations (0: only at the end)."""
+    """Save a checkpoint every this many iterations (0: by --save_every_minutes alone); one is always saved at the end."""
+    save_every_minutes: float = 10.0
+    """Also save a checkpoint at the end of the first iteration after this many minutes since the last save (or the start), so a run stopped from outside (preemption, kill) loses at most that much work (0: off). Saving only adds checkpoints: training results are the same."""
     log_interval: int = 1
     """Write TensorBoard scalars every this many iterations."""
     eval_interval: int = 0
@@ -239,19 +219,15 @@ class RunnerConfig:
     """Parallel environments during evaluation."""
     load_path: Optional[str] = None
     """Resume from a ``checkpoints/steps_<N>`` folder, or from a run directory's latest complete checkpoint; flags not given are taken from the checkpoint's config."""
-    keep_checkpoints: int = 0
-    """Keep only the newest this many checkpoints, deleting older ones after each save (0: keep all)."""
+    keep_checkpoints: int = 2
+    """Keep only the newest this many checkpoints, deleting older ones after each complete save (0: keep all); the newest, complete one is never deleted."""
+    continue_on_save_error: bool = False
+    """When a checkpoint cannot be written (disk full, quota, any write error): warn and train on (default: stop cleanly, exit code 74); the partial folder is removed either way."""
     dist_timeout_s: float = 300.0
     """With several processes: seconds a collective waits for the others before failing, so a dead or stuck process stops the run with an error instead of a hang (the first collective also waits for the model to load)."""
 
     def __post_init__(self):
-        for name in ("n_rollout_threads", "episode_length", "n_eval_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
-        if self.keep_checkpoints < 0:
-            raise ValueError(f"--keep_checkpoints must be >= 0, got {self.keep_checkpoints}")
-        if self.dist_timeout_s <= 0:
-            raise ValueError(f"--dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        check_fields(self)
 
 
 @dataclass
@@ -268,7 +244,7 @@ class TrainConfig:
         after a resume merged the checkpoint's values.
 
         Raises:
-            ValueError: ``agent_iteration_interval`` is shorter than one iteration's env steps; with GRPO,
+            ValueError: ``num_env_steps`` is less than one iteration's env steps; ``agent_iteration_interval`` is shorter than one iteration's env steps; with GRPO,
                 ``group_size`` does not divide ``n_rollout_threads`` or ``horizon`` does not divide ``episode_length``.
         """
         if self.algo.algorithm_name == "GRPO":
@@ -281,6 +257,12 @@ class TrainConfig:
                     f"(each iteration plays episode_length / horizon rounds of group episodes)"
                 )
         interval, per_iteration = self.algo.agent_iteration_interval, self.steps_per_iteration
+        if self.runner.num_env_steps < per_iteration:
+            raise ValueError(
+                f"--num_env_steps {self.runner.num_env_steps} is less than one iteration: one iteration collects {per_iteration} "
+                f"environment steps (--n_rollout_threads {self.runner.n_rollout_threads} x --episode_length {self.runner.episode_length}); "
+                f"use --num_env_steps {per_iteration} or more"
+            )
         if 0 < interval < per_iteration:
             raise ValueError(
                 f"--agent_iteration_interval {interval} is counted in environment steps and one iteration collects "
@@ -378,19 +360,26 @@ def _flag_type(hint: Any):
     return hint
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (``error: ...``, exit code 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def build_parser(description: str = "Train an LLM agent team with multi-agent PPO.", with_defaults: bool = True,
                  sections: dict | None = None) -> argparse.ArgumentParser:
     """One flag per config field, grouped by section (default :data:`SECTIONS`), help text from the field
     docstrings, allowed values from :data:`CHOICES`. ``with_defaults=False`` leaves flags that are not given
     out of the namespace (how :func:`parse_config` tells which flags were given)."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = OneLineErrorParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for section, cls in (sections or SECTIONS).items():
         group = parser.add_argument_group(section, cls.__doc__)
         docs = field_docs(cls)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
             default = f.default if with_defaults else argparse.SUPPRESS
-            kwargs = dict(dest=f"{section}.{f.name}", type=_flag_type(hints[f.name]), default=default, help=docs.get(f.name, ""))
+            kwargs = dict(dest=f"{section}.{f.name}", type=_flag_type(hints[f.name]), default=default, help=docs.get(f.name, "") + rule_text(f.name))
             if f.name in CHOICES:
                 kwargs["choices"] = list(CHOICES[f.name])
             if hints[f.name] is bool:

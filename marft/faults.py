@@ -4,19 +4,60 @@
   checkpoint does not fit the current team (the message names the file or flag).
 * :class:`TrainingStopped`: training cannot go on (repeated non-finite updates, weights that
   turned non-finite); the runner adds the last good checkpoint to resume from.
+* :class:`CheckpointWriteError`: a checkpoint could not be written (disk full, quota, any write error);
+  the partial folder is gone and the message names the checkpoint, the free space and the last complete one.
+* :class:`SaveFailed`: training stopped because a checkpoint or a log could not be written.
+* :class:`Preempted`: a stop signal (SIGTERM, SIGINT) ended training after one checkpoint was written.
 * :func:`oom_message`: the text of an out-of-memory error during the update: batch sizes and
   the flags that reduce memory.
+* :class:`ExitCode`: what ``python -m marft.launch`` (``train_math.sh``, ``sft.py``) returns for each.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Exit codes of the training commands (documented in the README's "Running on a cluster")."""
+
+    OK = 0
+    """Training finished."""
+    TRAINING_STOPPED = 1
+    """Training cannot go on (repeated non-finite updates, non-finite weights); the message names the last good checkpoint."""
+    BAD_INPUT = 2
+    """A flag, file or checkpoint is wrong: one line on stderr, before the model loads."""
+    SAVE_FAILED = 74
+    """A checkpoint or log could not be written (EX_IOERR): disk full, quota, permissions; nothing partial is left."""
+    PREEMPTED = 75
+    """Stopped by SIGTERM or SIGINT after writing a checkpoint (EX_TEMPFAIL): resume with ``--load_path <run dir>``."""
+    INTERRUPTED = 130
+    """A second Ctrl-C: stopped at once, without writing a checkpoint (the previous ones are intact)."""
 
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be written or loaded; the message names the file."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """Writing a checkpoint failed (ENOSPC, EDQUOT, any I/O error); its partial folder was removed."""
+
+
 class TrainingStopped(RuntimeError):
     """Training cannot continue; the message says why and where to resume from."""
+
+
+class SaveFailed(TrainingStopped):
+    """Training stopped because a checkpoint or a log file could not be written (:attr:`ExitCode.SAVE_FAILED`)."""
+
+
+class Preempted(Exception):
+    """A stop signal ended training at a phase boundary, after one checkpoint (:attr:`ExitCode.PREEMPTED`)."""
+
+    def __init__(self, message: str, checkpoint=None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        """The checkpoint to continue from (None when none could be written)."""
 
 
 def oom_message(config, iteration: int, n_agents: int, token_level: bool = False) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from marft.config import TrainConfig, parse_config
+from marft.faults import ExitCode
 
 logger = logging.getLogger("marft")
 
@@ -81,12 +82,17 @@ def build_env_factories(config: TrainConfig, profile):
 
 
 def validate(config: TrainConfig):
-    """Check profile, model path, data and resume path; return ``(profile, make_train_env, make_eval_env)``."""
+    """Check flags across sections, device, output folder, profile, model path, data and resume path; return
+    ``(profile, make_train_env, make_eval_env)``. (Each flag alone was checked when the config was built:
+    :mod:`marft.validation`.)"""
     from marft.agents.loading import check_model_path
     from marft.algorithms import trainer_class
     from marft.envs.profile import load_profile
+    from marft.validation import check_device, check_output_dir
 
     config.check()
+    check_device(config.model.device)
+    check_output_dir(config.runner.output_dir)
     check_processes(config)
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
@@ -226,7 +232,11 @@ def train(config: TrainConfig, validated=None) -> dict:
     Raises:
         ValueError / FileNotFoundError: a bad input (profile, model path, data, environment), before the model loads.
     """
-    runner = build_runner(config, validated)
+    return run_training(build_runner(config, validated))
+
+
+def run_training(runner) -> dict:
+    """``runner.run()``, with the seconds it took in the summary."""
     start = time.perf_counter()
     summary = runner.run()
     summary["seconds"] = time.perf_counter() - start
@@ -234,6 +244,8 @@ def train(config: TrainConfig, validated=None) -> dict:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m marft.launch [flags]``; returns an :class:`~marft.faults.ExitCode` (0 done, 1 training stopped,
+    2 bad input, 74 a checkpoint or log could not be written, 75 stopped by a signal after a checkpoint)."""
     from marft.distributed import world_size_from_env
 
     rank = int(os.environ.get("RANK", "0")) if world_size_from_env() > 1 else 0
@@ -249,25 +261,40 @@ def main(argv: Optional[list[str]] = None) -> int:
 
             config = resume_config(config, given)  # flags not given come from the checkpoint
         validated = validate(config)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # FileNotFoundError, PermissionError, IsADirectoryError ... name their file
         print(f"error: {error}", file=sys.stderr)
-        return 2
-    from marft.faults import CheckpointError, TrainingStopped
+        return ExitCode.BAD_INPUT
+    from marft.faults import CheckpointError, Preempted, SaveFailed, TrainingStopped
 
     try:
-        summary = train(config, validated)
+        runner = build_runner(config, validated)
+    except (OSError, ValueError) as error:  # what only the loaded model can tell (e.g. --lora_target_modules it lacks)
+        print(f"error: {error}", file=sys.stderr)
+        return ExitCode.BAD_INPUT
+    try:
+        summary = run_training(runner)
+    except Preempted as stop:
+        print(f"stopped: {stop}", file=sys.stderr)
+        return ExitCode.PREEMPTED
+    except SaveFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ExitCode.SAVE_FAILED
     except (CheckpointError, TrainingStopped) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return ExitCode.TRAINING_STOPPED
     if rank != 0:
-        return 0
+        return ExitCode.OK
     print(
         f"done in {summary['seconds']:.0f}s: accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
         f"run directory {summary['run_dir']}",
         flush=True,
     )
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from marft.runner.shared.preemption import ignore_stop_signals
+
+    code = main()
+    ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit
+    sys.exit(code)

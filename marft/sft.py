@@ -53,9 +53,9 @@ class SFTConfig:
     """Learning rate of the adapters during the warm start (AdamW, cosine decay)."""
 
     def __post_init__(self):
-        for name in ("n_demonstrations", "sft_steps", "sft_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        from marft.validation import check_fields
+
+        check_fields(self)  # types, finite numbers and ranges (marft.validation.RULES)
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,14 @@ def load_transcripts(path: str | Path) -> tuple[list[dict], int]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--sft_data {path} does not exist; pass a JSONL file of transcripts or 'demonstrations'")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--sft_data {path} is not UTF-8 text (byte {error.start}: {error.reason}); pass a JSONL file of transcripts") from None
+    except OSError as error:
+        raise ValueError(f"--sft_data {path} cannot be read: {error.strerror or error}") from None
     transcripts, skipped = [], 0
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -242,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     import time
 
     from marft.config import SECTIONS, TrainConfig, parse_sections
-    from marft.faults import CheckpointError
+    from marft.faults import CheckpointError, CheckpointWriteError, ExitCode
     from marft.launch import build_team, default_run_dir, validate
     from marft.runner.shared.checkpoint import save_checkpoint
 
@@ -259,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             (demonstrations(make_train_env, sft_config.n_demonstrations, config.runner.seed), 0)
             if sft_config.sft_data == "demonstrations" else load_transcripts(sft_config.sft_data)
         )
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     start = time.perf_counter()
@@ -271,16 +277,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     losses = warm_start(team, examples, sft_config, seed=config.runner.seed)
     run_dir = default_run_dir(config)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(config.to_json())
     state = {"iteration": 0, "env_steps": 0, "roles": [spec.role for spec in profile], "next_agents": trainer.agents_to_train(0),
              "counters": dict(trainer.counters), "sft": {"transcripts": len(transcripts), "skipped": skipped, "turns": len(examples),
                                                          "first_loss": losses[0], "last_loss": losses[-1]}}
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(config.to_json())
         checkpoint = save_checkpoint(run_dir / "checkpoints", 0, team, trainer, state, config.to_json())
+    except (CheckpointWriteError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return ExitCode.SAVE_FAILED
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return ExitCode.TRAINING_STOPPED
     summary = {**state["sft"], "seconds": round(time.perf_counter() - start, 1), "checkpoint": str(checkpoint)}
     (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"warm start done in {summary['seconds']:.0f}s: {len(examples)} turns of {len(transcripts)} transcripts "

@@ -6,6 +6,9 @@ Run ``python scripts/train_math.py --help`` for every flag.
 import sys
 
 from marft.launch import main
+from marft.runner.shared.preemption import ignore_stop_signals
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit
+    sys.exit(code)

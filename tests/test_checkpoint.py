@@ -255,7 +255,7 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(random_model_dir, tmp_
     script.write_text(CHILD)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
-        [sys.executable, str(script), str(marker), *flags(random_model_dir, 3, run, "--save_interval", "1", env="relay_sum")],
+        [sys.executable, str(script), str(marker), *flags(random_model_dir, 3, run, "--save_interval", "1", "--keep_checkpoints", "0", env="relay_sum")],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     try:

@@ -140,7 +140,7 @@ def test_repeated_nonfinite_updates_stop_at_the_last_good_checkpoint(random_mode
     argv = [
         "--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6", "--context_window", "128",
         "--n_rollout_threads", str(E), "--episode_length", "1", "--num_env_steps", str(E * 6), "--eval_episodes", "1",
-        "--n_eval_threads", "1", "--save_interval", "1", "--ppo_epoch", "2", "--max_consecutive_skips", "3", "--output_dir", str(run),
+        "--n_eval_threads", "1", "--save_interval", "1", "--keep_checkpoints", "0", "--ppo_epoch", "2", "--max_consecutive_skips", "3", "--output_dir", str(run),
     ]
     assert main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]

@@ -39,6 +39,8 @@ def check_model_path(name: str) -> None:
             f"model directory {name!r} does not exist; pass --model_name_or_path with a local Hugging Face "
             f"model folder, a hub name, or {TINY_MODEL_NAME!r} / {INSTRUCT_MODEL_NAME!r} for the embedded tiny models"
         )
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model directory {name!r} has no config.json: it is not a Hugging Face model folder")
 
 
 def resolve_model_path(name: str) -> str:

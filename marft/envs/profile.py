@@ -214,6 +214,8 @@ def load_profile(path_or_name: str | Path | None = None, n_agents: int | None = 
         entries = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"profile {path} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"profile {path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
     specs = parse_profile(entries, source=f"profile {path_or_name}")
     if n_agents is not None and len(specs) != n_agents:
         raise ValueError(

@@ -70,7 +70,10 @@ def _raw_rows(path: Path) -> list[tuple[str, object]]:
 
     ``.jsonl`` files are read line by line; anything else must be one JSON list.
     """
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"dataset file {path} is not UTF-8 text (byte {error.start}: {error.reason}); expected JSON or JSONL") from None
     if path.suffix != ".jsonl":
         try:
             data = json.loads(text)

@@ -92,8 +92,16 @@ def _math_verify_check(prediction: str, reference: str) -> bool:
 def _serve(check=_math_verify_check) -> None:
     """Worker loop: read ``{"pairs": [[pred, ref], ...]}`` lines, write ``[ok, error]`` per pair.
 
-    Writes ``"ready"`` once imports are done. Exits when stdin closes.
+    Writes ``"ready"`` once imports are done. Exits when stdin closes, and quietly when the trainer is gone
+    (killed while this worker was answering: a broken pipe).
     """
+    try:
+        _answer(check)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # nothing to flush to at exit either
+
+
+def _answer(check) -> None:
     if check is _math_verify_check:
         import math_verify.grader
         import math_verify.parser
@@ -232,8 +240,9 @@ class MathGrader:
         if self._started:
             self.stats.restarts += 1
         self._started += 1
-        self._proc = subprocess.Popen(
-            self.worker_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0
+        self._proc = subprocess.Popen(  # its own session: a Ctrl-C meant for the trainer (which stops at a phase
+            # boundary, still grading) does not kill it; it exits when the trainer closes its stdin or dies
+            self.worker_command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None, bufsize=0, start_new_session=True
         )
         self._buffer = b""
         line = self._read_line(self.startup_timeout_s)

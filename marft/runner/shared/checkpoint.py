@@ -37,7 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.team import AgentTeam
-from marft.faults import CheckpointError
+from marft.faults import CheckpointError, CheckpointWriteError
+from marft.runner.shared.storage import describe_write_error, free_bytes, human_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,9 @@ def save_checkpoint(
 
     Raises:
         CheckpointError: a trainable weight is NaN or inf (nothing is written).
+        CheckpointWriteError: a write failed (disk full, quota, any I/O error): the partial folder is removed,
+            an earlier checkpoint of the same step is kept, and the message names the checkpoint, the free space
+            and the last complete checkpoint.
     """
     bad = nonfinite_parameters(team)
     if bad:
@@ -98,32 +102,46 @@ def save_checkpoint(
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         )
     checkpoint_root = Path(checkpoint_root)
-    checkpoint_root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_root / f"steps_{step}"
     tmp = checkpoint_root / f".steps_{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for adapter in team.adapters:
-        team.model.save_pretrained(tmp, selected_adapters=[adapter])
-    if team.has_critic:
-        save_file({k: v.detach().cpu().contiguous() for k, v in value_head_state(team).items()}, tmp / "value_head.safetensors")
-    torch.save(trainer.state_dict(), tmp / "optimizers.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "rng": rng_state()}))
-    (tmp / "config.json").write_text(config_json)
-    _write_manifest(tmp)
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():  # re-saving a step: keep the old one until the new one is in place
-        old = checkpoint_root / f".steps_{step}.old-{os.getpid()}"
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(checkpoint_root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    old = checkpoint_root / f".steps_{step}.old-{os.getpid()}"
+    try:
+        checkpoint_root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for adapter in team.adapters:
+            team.model.save_pretrained(tmp, selected_adapters=[adapter])
+        if team.has_critic:
+            save_file({k: v.detach().cpu().contiguous() for k, v in value_head_state(team).items()}, tmp / "value_head.safetensors")
+        torch.save(trainer.state_dict(), tmp / "optimizers.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**trainer_state, "rng": rng_state()}))
+        (tmp / "config.json").write_text(config_json)
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # re-saving a step: keep the old one until the new one is in place
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(checkpoint_root)
+    except Exception as error:  # noqa: BLE001 - ENOSPC, EDQUOT, torch's iostream errors, safetensors' errors alike
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():
+            os.replace(old, final)  # the earlier save of this step stays
+        raise CheckpointWriteError(write_failure_message(final, error)) from error
+    shutil.rmtree(old, ignore_errors=True)
     logger.info("saved checkpoint %s", final)
     if keep:
         prune_checkpoints(checkpoint_root, keep)
     return final
+
+
+def write_failure_message(final: Path, error: BaseException) -> str:
+    """The one line for a checkpoint that could not be written: which, why, the free space, the last complete one."""
+    last = latest_checkpoint(final.parent)
+    return (
+        f"could not write checkpoint {final.name} ({final}): {describe_write_error(error)}; "
+        f"{human_bytes(free_bytes(final.parent))} free there; the partial folder was removed; "
+        + (f"the last complete checkpoint is {last}" if last is not None else "there is no complete checkpoint yet")
+    )
 
 
 def nonfinite_parameters(team: AgentTeam) -> list[str]:
@@ -240,7 +258,8 @@ def cleanup_partial_checkpoints(checkpoint_root: Path) -> list[Path]:
 
 
 def prune_checkpoints(checkpoint_root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints; return what was removed."""
+    """Delete all but the newest ``keep`` complete checkpoints (``keep`` 0: none; the newest is never deleted);
+    return what was removed."""
     removed = [p for _, p in checkpoint_steps(checkpoint_root)[:-keep]] if keep > 0 else []
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)

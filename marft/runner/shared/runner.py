@@ -6,6 +6,10 @@ parallel environments; agents act in profile order on each environment's shared 
 With several processes (:mod:`marft.distributed`) every process runs this loop on its own share of the
 environments; rank 0 alone writes the run directory (config, TensorBoard, progress bar, summary,
 checkpoints), with metrics averaged over the processes, and every process resumes from the checkpoint.
+
+Stops from outside (:mod:`marft.runner.shared.preemption`): SIGTERM/SIGINT end the run at the next phase
+boundary with one checkpoint (a half-done rollout is rewound), and checkpoints are also saved by time.
+Write errors (:mod:`marft.runner.shared.storage`) stop the run cleanly or, if asked, only warn.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
-from marft.faults import CheckpointError, TrainingStopped, oom_message
+from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveFailed, TrainingStopped, oom_message
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.runner.shared.diagnostics import TeamDiagnostics, write_transcripts
+from marft.runner.shared.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
+from marft.runner.shared.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
 from marft.runner.shared.turns import play_team_step
 from marft.runner.shared.checkpoint import (
     cleanup_partial_checkpoints,
@@ -72,11 +78,13 @@ class Runner:
         self.run_dir = Path(run_dir)
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.last_checkpoint: Path | None = None  # the newest checkpoint saved or resumed from (to point to on a stop)
+        self.preemption = Preemption(config.runner.save_interval, config.runner.save_every_minutes, dist)
+        """SIGTERM/SIGINT handling and the periodic-save clock (:mod:`marft.runner.shared.preemption`)."""
         self.writer = self._open_writer()
         if dist.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_file(self.run_dir / "config.json", config.to_json())
             cleanup_partial_checkpoints(self.checkpoint_dir)
-            (self.run_dir / "config.json").write_text(config.to_json())
+            warn_if_low_space(self.run_dir, expected_checkpoint_bytes(team), config.runner.keep_checkpoints)
             self.writer.add_text("config", _markdown_table(config.to_dict()))
         self.roles = [spec.role for spec in team.profile]
         self.diagnostics = TeamDiagnostics(self.roles)
@@ -98,7 +106,26 @@ class Runner:
         """TensorBoard on rank 0; a writer that drops everything on the other processes."""
         if not self.dist.is_main:
             return _NullWriter()
-        return SummaryWriter(str(self.run_dir / "logs"), purge_step=purge_step)
+        logs = self.run_dir / "logs"
+        return GuardedWriter(lambda: SummaryWriter(str(logs), purge_step=purge_step), logs, self._write_failed)
+
+    def _write_failed(self, what: str, error: BaseException) -> None:
+        """A log or file could not be written: stop cleanly (:class:`SaveFailed`, exit code 74) or, with
+        ``--continue_on_save_error``, warn and go on without it."""
+        from marft.runner.shared.storage import describe_write_error, free_bytes, human_bytes
+
+        message = f"could not write {what}: {describe_write_error(error)}; {human_bytes(free_bytes(self.run_dir))} free there"
+        if self.config.runner.continue_on_save_error:
+            logger.warning("%s; training goes on without it (--continue_on_save_error)", message)
+            return
+        raise SaveFailed(f"{message}. {self._save_failed_hint()}") from error
+
+    def _write_file(self, path: Path, text: str) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as error:
+            self._write_failed(str(path), error)
 
     # ------------------------------------------------------------------ rollout
     def collect(self, iteration: int = 0) -> tuple[RolloutBuffer, dict]:
@@ -128,6 +155,7 @@ class Runner:
         live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
         start = time.perf_counter()
         for step in range(T):
+            self.preemption.poll_rollout()  # a stop abandons the rollout here (run() rewinds to the iteration's start)
             if trainer.group_relative and step % horizon == 0:  # a new round: every group starts one episode
                 self._start_group_round(iteration, step // horizon)
                 live[:] = True
@@ -292,12 +320,35 @@ class Runner:
             except CheckpointError as failure:
                 error = failure
         if self.dist.enabled:  # every process learns where the checkpoint is, or stops alike
-            path, message = self.dist.broadcast_object((path, None if error is None else str(error)))
-            error = error or (CheckpointError(message) if message is not None else None)
+            path, message, write_error = self.dist.broadcast_object(
+                (path, None if error is None else str(error), isinstance(error, CheckpointWriteError)))
+            error = error or (None if message is None else (CheckpointWriteError if write_error else CheckpointError)(message))
+        if isinstance(error, CheckpointWriteError):  # disk full, quota, I/O: nothing partial is left
+            if self.config.runner.continue_on_save_error:
+                logger.warning("%s; training goes on (--continue_on_save_error)", error)
+                return None
+            raise SaveFailed(f"{error}. {self._save_failed_hint()}") from error
         if error is not None:
             raise TrainingStopped(f"{error}. {self._resume_hint()}") from error
         self.last_checkpoint = path
         return path
+
+    def _save_failed_hint(self) -> str:
+        return (f"Training stopped: free some space and continue with --load_path {self.run_dir}, or pass "
+                f"--continue_on_save_error to train on without checkpoints while saving fails")
+
+    def _preempted(self, iteration: int) -> None:
+        """A stop signal: write one checkpoint after ``iteration`` iterations (unless it is the last one
+        written or resumed from) and raise :class:`Preempted`."""
+        target = self.checkpoint_dir / f"steps_{iteration}"
+        if self.last_checkpoint is None or Path(self.last_checkpoint).resolve() != target.resolve():
+            self.save(iteration)
+        checkpoint = self.last_checkpoint
+        self.writer.close()
+        where = f"checkpoint {checkpoint}; continue with --load_path {self.run_dir}" if checkpoint else "no checkpoint could be written"
+        raise Preempted(
+            f"{self.preemption.stop_signal}: stopped after iteration {iteration} of {self.config.num_iterations}, {where}", checkpoint
+        )
 
     def restore(self, path: str | Path) -> None:
         """Continue from a checkpoint (or a run directory's latest): check the config fits, load
@@ -358,7 +409,15 @@ class Runner:
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
-        """Evaluate, train ``num_iterations`` iterations, evaluate again, save; return the summary."""
+        """Evaluate, train ``num_iterations`` iterations, evaluate again, save; return the summary.
+
+        Raises:
+            Preempted: SIGTERM or SIGINT stopped training at a phase boundary, after one checkpoint.
+            SaveFailed: a checkpoint or log could not be written (without ``--continue_on_save_error``)."""
+        with self.preemption:  # SIGTERM/SIGINT: finish the phase, save, raise Preempted
+            return self._run()
+
+    def _run(self) -> dict:
         rc = self.config.runner
         if rc.load_path:
             self.restore(rc.load_path)
@@ -370,7 +429,12 @@ class Runner:
         bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         for iteration in bar:
             start = time.perf_counter()
-            buffer, stats = self.collect(iteration)
+            before_rollout = rollout_start(self)
+            try:
+                buffer, stats = self.collect(iteration)
+            except RolloutAbandoned:
+                rewind(self, before_rollout)
+                self._preempted(iteration)
             self.trainer.compute_advantages(buffer)
             stats.update(self.diagnostics.rollout_stats(buffer, self.trainer.token_level))
             metrics = self._update(buffer, iteration)
@@ -384,8 +448,11 @@ class Runner:
                 for key, value in logged.items():
                     self.writer.add_scalar(key, value, iteration + 1)
             bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
-            if rc.save_interval and (iteration + 1) % rc.save_interval == 0:
+            save_now, stop = self.preemption.after_iteration(iteration + 1)  # --save_interval, --save_every_minutes, a signal
+            if save_now:
                 self.save(iteration + 1)
+            if stop:
+                self._preempted(iteration + 1)
             if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < n_iterations:
                 self._log_eval(self.evaluate(), iteration + 1)
         after = self.evaluate()
@@ -409,7 +476,7 @@ class Runner:
             summary.update(orchestrator_calls_before=calls_before, orchestrator_calls_after=calls_after)
         self._print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)")
         if self.dist.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            self._write_file(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
 
     def _print(self, text: str) -> None:
@@ -439,7 +506,12 @@ class Runner:
         for key, value in self.diagnostics.evaluation_stats().items():
             self.writer.add_scalar(key, value, step)
         if self.dist.is_main and self.last_transcripts:
-            text = write_transcripts(self.run_dir / "transcripts" / f"eval_{step}.jsonl", self.last_transcripts)
+            path = self.run_dir / "transcripts" / f"eval_{step}.jsonl"
+            try:
+                text = write_transcripts(path, self.last_transcripts)
+            except OSError as error:
+                self._write_failed(str(path), error)
+                return
             self.writer.add_text("eval/transcripts", text, step)
 
 
