@@ -152,7 +152,9 @@ class AlgoConfig:
     gradient_cp_steps: int = 1
     """Gradient accumulation: each agent's minibatch is processed in this many chunks to save memory (the critic's, which holds every agent's turns, in n_agents times as many)."""
     clip_param: float = 0.2
-    """PPO ratio clip range."""
+    """PPO ratio clip range: the ratio is kept within [1 - clip_param, 1 + clip_param_high]."""
+    clip_param_high: Optional[float] = None
+    """Upper clip range of the PPO ratio (DAPO's clip-higher; None: clip_param)."""
     value_clip_param: float = 0.2
     """Value clip range around the rollout values (0: no value clipping)."""
     use_huber_loss: bool = False
@@ -196,6 +198,10 @@ class AlgoConfig:
             raise ValueError(f"--credit_discount must be in (0, 1], got {self.credit_discount}")
         if self.kl_coef < 0:
             raise ValueError(f"--kl_coef must be >= 0, got {self.kl_coef}")
+        if not 0.0 < self.clip_param < 1.0:
+            raise ValueError(f"--clip_param must be in (0, 1), got {self.clip_param}")
+        if self.clip_param_high is not None and not self.clip_param_high > 0.0:
+            raise ValueError(f"--clip_param_high must be positive (or none: --clip_param), got {self.clip_param_high}")
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")

@@ -147,7 +147,7 @@ class APPOTrainer:
         mask = mb["response_mask"].float()
         new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)  # (B,)
         old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
-        loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
+        loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param, clip_param_high=cfg.clip_param_high)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
 
