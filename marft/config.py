@@ -164,7 +164,11 @@ class AlgoConfig:
     value_loss_coef: float = 1.0
     """Weight of the value loss."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (mean token entropy of the reply)."""
+    """Weight of the entropy bonus (mean token entropy of the reply); with target_entropy, its starting value."""
+    target_entropy: Optional[float] = None
+    """Adaptive entropy control (as Skywork-OR1): keep each adapter's mean token entropy near this many nats by moving its entropy bonus weight up by entropy_coef_step after an update whose entropy fell below the target and down by it (never below 0) after one above. None: the fixed entropy_coef."""
+    entropy_coef_step: float = 0.005
+    """target_entropy: how much an adapter's entropy bonus weight moves per update."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (per optimizer)."""
     gamma: float = 0.99
@@ -200,6 +204,10 @@ class AlgoConfig:
             raise ValueError(f"--kl_coef must be >= 0, got {self.kl_coef}")
         if not 0.0 < self.clip_param < 1.0:
             raise ValueError(f"--clip_param must be in (0, 1), got {self.clip_param}")
+        if self.target_entropy is not None and not self.target_entropy > 0.0:
+            raise ValueError(f"--target_entropy must be positive nats (or none: the fixed --entropy_coef), got {self.target_entropy}")
+        if not self.entropy_coef_step >= 0.0:
+            raise ValueError(f"--entropy_coef_step must be >= 0, got {self.entropy_coef_step}")
         if self.clip_param_high is not None and not self.clip_param_high > 0.0:
             raise ValueError(f"--clip_param_high must be positive (or none: --clip_param), got {self.clip_param_high}")
         for name in ("ppo_epoch", "num_mini_batch", "gradient_cp_steps", "group_size"):

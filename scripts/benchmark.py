@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
     p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
     p.add_argument("--kl_coef", type=float, default=0.0, help=field_docs(AlgoConfig)["kl_coef"])
+    p.add_argument("--target_entropy", type=float, default=AlgoConfig.target_entropy, help=field_docs(AlgoConfig)["target_entropy"])
+    p.add_argument("--entropy_coef_step", type=float, default=AlgoConfig.entropy_coef_step, help=field_docs(AlgoConfig)["entropy_coef_step"])
     p.add_argument("--clip_param", type=float, default=AlgoConfig.clip_param, help=field_docs(AlgoConfig)["clip_param"])
     p.add_argument("--clip_param_high", type=float, default=AlgoConfig.clip_param_high, help=field_docs(AlgoConfig)["clip_param_high"])
     p.add_argument("--temperature", type=float, default=ModelConfig.temperature, help=field_docs(ModelConfig)["temperature"])
@@ -189,6 +191,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
             group_size=args.group_size, kl_coef=args.kl_coef, credit_assignment=args.credit_assignment,
             credit_discount=args.credit_discount, clip_param=args.clip_param, clip_param_high=args.clip_param_high,
+            target_entropy=args.target_entropy, entropy_coef_step=args.entropy_coef_step,
             update_on_constant_rewards=args.bench != "learning",  # timings: the policies are updated on every batch
         ),
         runner=RunnerConfig(

@@ -58,3 +58,43 @@ def test_zero_advantage_share_per_role_and_overall():
     stats = TeamDiagnostics(["Reasoner", "Actor"]).rollout_stats(buffer, token_level=True)
     assert stats["roles/Reasoner/zero_advantage_share"] == 1.0
     assert stats["roles/Actor/zero_advantage_share"] == pytest.approx(5 / 6)
+
+
+def bare_trainer(**algo):
+    """An APPOTrainer without a team: enough for its entropy-control arithmetic."""
+    from marft.algorithms.appo_trainer import APPOTrainer
+    from marft.config import AlgoConfig
+    from marft.distributed import SINGLE
+
+    trainer = APPOTrainer.__new__(APPOTrainer)
+    trainer.config, trainer.dist = AlgoConfig(**algo), SINGLE
+    trainer.entropy_coefs = {"Reasoner": trainer.config.entropy_coef, "Actor": trainer.config.entropy_coef}
+    return trainer
+
+
+def test_adaptive_entropy_weight_rises_below_the_target_and_falls_to_zero_above():
+    trainer = bare_trainer(target_entropy=0.2, entropy_coef_step=0.01)
+    for expected in (0.01, 0.02, 0.03):
+        trainer.adapt_entropy_coef("Reasoner", [0.05, 0.15])  # mean 0.1 < 0.2
+        assert trainer.entropy_coefs["Reasoner"] == pytest.approx(expected)
+    assert trainer.entropy_coefs["Actor"] == 0.0  # each adapter its own weight
+    for expected in (0.02, 0.01, 0.0, 0.0):
+        trainer.adapt_entropy_coef("Reasoner", [0.3])
+        assert trainer.entropy_coefs["Reasoner"] == pytest.approx(expected)
+    trainer.adapt_entropy_coef("Reasoner", [])  # no chunk: nothing measured, nothing moves
+    assert trainer.entropy_coefs["Reasoner"] == 0.0
+
+
+def test_a_fixed_entropy_weight_never_moves():
+    trainer = bare_trainer(entropy_coef=0.01)
+    trainer.adapt_entropy_coef("Reasoner", [0.0])
+    assert trainer.entropy_coefs["Reasoner"] == 0.01
+
+
+@pytest.mark.parametrize("flag, value", [("target_entropy", 0.0), ("target_entropy", -1.0), ("entropy_coef_step", -0.1),
+                                         ("clip_param", 0.0), ("clip_param", 1.0), ("clip_param_high", 0.0)])
+def test_entropy_and_clip_flags_are_validated(flag, value):
+    from marft.config import AlgoConfig
+
+    with pytest.raises(ValueError, match=f"--{flag}"):
+        AlgoConfig(**{flag: value})
