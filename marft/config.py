@@ -141,7 +141,9 @@ class AlgoConfig:
     gradient_cp_steps: int = 1
     """Gradient accumulation: each agent's minibatch is processed in this many chunks to save memory (the critic's, which holds every agent's turns, in n_agents times as many)."""
     clip_param: float = 0.2
-    """PPO ratio clip range."""
+    """PPO ratio clip range: the ratio is kept within [1 - clip_param, 1 + clip_param_high]."""
+    clip_param_high: Optional[float] = None
+    """Upper clip range of the PPO ratio (DAPO's clip-higher; None: clip_param)."""
     value_clip_param: float = 0.2
     """Value clip range around the rollout values (0: no value clipping)."""
     use_huber_loss: bool = False
@@ -151,7 +153,11 @@ class AlgoConfig:
     value_loss_coef: float = 1.0
     """Weight of the value loss."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus (mean token entropy of the reply)."""
+    """Weight of the entropy bonus (mean token entropy of the reply); with target_entropy, its starting value."""
+    target_entropy: Optional[float] = None
+    """Adaptive entropy control (as Skywork-OR1): keep each adapter's mean token entropy near this many nats by moving its entropy bonus weight up by entropy_coef_step after an update whose entropy fell below the target and down by it (never below 0) after one above. None: the fixed entropy_coef."""
+    entropy_coef_step: float = 0.005
+    """target_entropy: how much an adapter's entropy bonus weight moves per update."""
     max_grad_norm: float = 1.0
     """Gradient clipping norm (per optimizer)."""
     gamma: float = 0.99

@@ -13,7 +13,8 @@
   library's runner and reports, before and after training, the success rate on held-out episodes of
   the test split (``success_*``: (key, number) pairs never trained on) and on fresh episodes of the
   training tasks (``train_tasks_success_*``), and the wall time of training with its evaluations. It
-  writes ``learning_curve.png`` (success rate and return per iteration) next to the TensorBoard logs.
+  writes ``learning_curve.png`` (success rate, return, per-role entropy and clip fraction, zero-advantage share
+  per iteration) next to the TensorBoard logs.
   With ``--algorithm_name GRPO`` it plays 8 groups of ``--group_size`` envs (32 at group size 4) for the same
   384 iterations: each update holds 16 groups (2 rounds of 8), each of one task. With 16 envs (4 groups of 4,
   8 tasks per update) GRPO reached 0.795 on seed 0 (0.825 with twice the iterations).
@@ -107,6 +108,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
     p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
     p.add_argument("--kl_coef", type=float, default=0.0, help=field_docs(AlgoConfig)["kl_coef"])
+    p.add_argument("--target_entropy", type=float, default=AlgoConfig.target_entropy, help=field_docs(AlgoConfig)["target_entropy"])
+    p.add_argument("--entropy_coef_step", type=float, default=AlgoConfig.entropy_coef_step, help=field_docs(AlgoConfig)["entropy_coef_step"])
+    p.add_argument("--clip_param", type=float, default=AlgoConfig.clip_param, help=field_docs(AlgoConfig)["clip_param"])
+    p.add_argument("--clip_param_high", type=float, default=AlgoConfig.clip_param_high, help=field_docs(AlgoConfig)["clip_param_high"])
+    p.add_argument("--temperature", type=float, default=ModelConfig.temperature, help=field_docs(ModelConfig)["temperature"])
     p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
     p.add_argument("--normalization_mode", default="sum", choices=list(CHOICES["normalization_mode"]), help=field_docs(AlgoConfig)["normalization_mode"])
     p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
@@ -176,6 +182,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             max_new_tokens=args.max_new_tokens, context_window=args.context_window,
             device=args.device, dtype=args.dtype, critic_mode=args.critic_mode, chat_template=args.chat_template, generation_backend=args.generation_backend,
             merge_lora_in_rollout=args.merge_lora_in_rollout, unpadded_forward=args.unpadded_forward,
+            temperature=args.temperature,
         ),
         env=EnvConfig(env_name=args.env_name, horizon=args.horizon, workflow=args.workflow, max_turns=args.max_turns),
         algo=AlgoConfig(
@@ -183,7 +190,8 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
             target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
             group_size=args.group_size, kl_coef=args.kl_coef, credit_assignment=args.credit_assignment,
-            credit_discount=args.credit_discount,
+            credit_discount=args.credit_discount, clip_param=args.clip_param, clip_param_high=args.clip_param_high,
+            target_entropy=args.target_entropy, entropy_coef_step=args.entropy_coef_step,
             update_on_constant_rewards=args.bench != "learning",  # timings: the policies are updated on every batch
         ),
         runner=RunnerConfig(
@@ -203,7 +211,10 @@ def emit(result: dict) -> dict:
 
 
 def plot_learning_curve(log_dir: Path) -> Path | None:
-    """Success rate and return per iteration (and the held-out evaluations) from the TensorBoard logs → PNG."""
+    """The learning curve from the TensorBoard logs → PNG, four panels over iterations: success rate (training
+    episodes and held-out evaluations), team return, each role's mean token entropy (a collapse to ~0 before
+    success nears its optimum is a policy that stopped exploring), and each role's PPO clip fraction with the
+    share of turns whose advantage is exactly 0 (batches or GRPO groups that teach nothing)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,7 +229,10 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
         points = events.Scalars(tag) if tag in tags else []
         return [p.step for p in points], [p.value for p in points]
 
-    fig, (ax_success, ax_return) = plt.subplots(1, 2, figsize=(10, 4))
+    def per_role(name):  # losses/agent_<role>/<name> -> {role: tag}
+        return {tag.split("/")[1].removeprefix("agent_"): tag for tag in sorted(tags) if tag.startswith("losses/agent_") and tag.endswith("/" + name)}
+
+    fig, ((ax_success, ax_return), (ax_entropy, ax_clip)) = plt.subplots(2, 2, figsize=(11, 7.5))
     ax_success.plot(*series("charts/accuracy"), label="training episodes")
     ax_success.plot(*series("eval/accuracy"), "o--", label="held-out evaluation")
     ax_success.set(xlabel="iteration", ylabel="success rate", ylim=(-0.02, 1.02), title="Success rate")
@@ -227,6 +241,15 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
     ax_return.plot(*series("eval/return"), "o--", label="held-out evaluation")
     ax_return.set(xlabel="iteration", ylabel="team return", title="Episode return")
     ax_return.legend()
+    for role, tag in per_role("entropy").items():
+        ax_entropy.plot(*series(tag), label=role)
+    ax_entropy.set(xlabel="iteration", ylabel="mean token entropy (nats)", title="Policy entropy per role")
+    ax_entropy.legend()
+    for role, tag in per_role("clip_frac").items():
+        ax_clip.plot(*series(tag), label=f"clip fraction, {role}")
+    ax_clip.plot(*series("charts/zero_advantage_share"), ":", label="turns with zero advantage")
+    ax_clip.set(xlabel="iteration", ylabel="share", ylim=(-0.02, 1.02), title="Clipped ratios and zero advantages")
+    ax_clip.legend()
     fig.tight_layout()
     path = log_dir / "learning_curve.png"
     fig.savefig(path, dpi=100)

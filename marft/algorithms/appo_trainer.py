@@ -63,6 +63,8 @@ class APPOTrainer:
             for critic in (team.critic_adapters if self.uses_critic else [])
         }
         """Per critic adapter (one shared, or one per agent with ``--critic_mode per_agent``), its optimizer."""
+        self.entropy_coefs = {adapter: config.entropy_coef for adapter in team.policy_adapters}
+        """Per policy adapter, the weight of its entropy bonus: ``--entropy_coef``, or adapted towards ``--target_entropy``."""
         self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0, "constant_reward_batches": 0}
         self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, *self.critic_optimizers]}
         """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
@@ -167,7 +169,7 @@ class APPOTrainer:
         mask = mb["response_mask"].float()
         new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)  # (B,)
         old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
-        loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param)
+        loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param, clip_param_high=cfg.clip_param_high)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
 
@@ -209,7 +211,7 @@ class APPOTrainer:
         once per minibatch chunk; the entropy is in the graph only when ``entropy_coef`` weighs it in the loss."""
         scores = self.team.response_logprobs(
             adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True,
-            agents=mb["agent"], entropy_grad=self.config.entropy_coef != 0,
+            agents=mb["agent"], entropy_grad=self.config.entropy_coef != 0 or self.config.target_entropy is not None,
         )
         self.counters["out_of_topk_tokens"] += scores.out_of_topk
         self.scored_positions[0] += scores.positions
@@ -324,7 +326,7 @@ class APPOTrainer:
                     for chunk in chunks:
                         mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
-                        loss = (policy_loss - cfg.entropy_coef * entropy) * (self.loss_units(samples, chunk) / units)
+                        loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
                         if not torch.isfinite(loss):
                             loss_ok = False
                             break
@@ -344,7 +346,23 @@ class APPOTrainer:
                 break
         positions, padding = self.scored_positions
         stats["pad_share"].append(padding / positions if positions else float("nan"))
+        self.adapt_entropy_coef(adapter, stats["entropy"])
+        stats["entropy_coef"].append(self.entropy_coefs[adapter])
         return {key: _nanmean(values) for key, values in stats.items()}
+
+    def adapt_entropy_coef(self, adapter: str, entropies: list[float]) -> None:
+        """With ``--target_entropy``: move ``adapter``'s entropy bonus weight one ``--entropy_coef_step`` towards
+        keeping its entropy at the target, from the mean entropy of this update's chunks on all processes (so
+        every process keeps the same weight). A policy whose entropy collapses before it found the optimum gets
+        a growing bonus until it explores again; one above the target gets none."""
+        cfg = self.config
+        if cfg.target_entropy is None:
+            return
+        total, count = self.dist.sum_floats([sum(entropies), len(entropies)])
+        if not count:
+            return
+        step = cfg.entropy_coef_step if total / count < cfg.target_entropy else -cfg.entropy_coef_step
+        self.entropy_coefs[adapter] = max(0.0, self.entropy_coefs[adapter] + step)
 
     def update_critic(self, samples: dict[str, torch.Tensor], critic: str = CRITIC_ADAPTER) -> dict[str, float]:
         """Value-loss epochs of ``critic`` over the turns it values (the centralized critic: every agent's).
@@ -397,6 +415,7 @@ class APPOTrainer:
             "policy_optimizers": {a: opt.state_dict() for a, opt in self.policy_optimizers.items()},
             "counters": dict(self.counters),
             "consecutive_skips": dict(self.consecutive_skips),
+            "entropy_coefs": dict(self.entropy_coefs),
         }
         if self.critic_optimizer is not None:  # the shared critic: the key every earlier checkpoint has
             state["critic_optimizer"] = self.critic_optimizer.state_dict()
@@ -418,6 +437,8 @@ class APPOTrainer:
                 group["lr"] = self.config.critic_lr
         self.counters.update(state.get("counters", {}))
         self.consecutive_skips.update(state.get("consecutive_skips", {}))
+        if self.config.target_entropy is not None:  # adapted weights continue; a fixed --entropy_coef may change on resume
+            self.entropy_coefs.update(state.get("entropy_coefs", {}))
 
 
 def _nanmean(values: list[float]) -> float:

@@ -67,6 +67,6 @@ class GRPOTrainer(APPOTrainer):
         token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
         mask = mb["response_mask"].float()
         advantages = mb["advantages"].unsqueeze(-1).expand_as(token_logp)  # (B, L): the reply's advantage on each token
-        loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], advantages, self.config.clip_param, weights=mask)
+        loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
         return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats

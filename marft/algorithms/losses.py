@@ -23,23 +23,28 @@ def normalize_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, n_words
     return NORMALIZATION_MODES[mode]((token_logprobs * mask).sum(-1), mask, n_words)
 
 
-def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None):
+def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None, clip_param_high: float | None = None):
     """PPO's clipped surrogate (to minimise), plus diagnostics.
 
     Args: ``new_logp, old_logp, advantages`` of shape (B,) (or any common shape);
-    ``weights`` (same shape) average only over real entries (e.g. token masks).
+    ``weights`` (same shape) average only over real entries (e.g. token masks);
+    the ratio is clipped to ``[1 - clip_param, 1 + clip_param_high]`` (``clip_param_high`` None: ``clip_param``;
+    a larger upper bound is DAPO's clip-higher: an unlikely reply with a positive advantage may gain more
+    probability per update, which keeps the policy exploring).
     Returns ``(loss, stats)`` with stats ``approx_kl``, ``clip_frac``, ``ratio``.
     """
+    high = clip_param if clip_param_high is None else clip_param_high
     log_ratio = new_logp - old_logp
     ratio = torch.exp(log_ratio)
-    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_param, 1 + clip_param) * advantages)
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_param, 1 + high) * advantages)
     w = torch.ones_like(ratio) if weights is None else weights
     denom = w.sum().clamp(min=1)
     loss = -(surrogate * w).sum() / denom
     with torch.no_grad():
+        clipped = (ratio < 1 - clip_param) | (ratio > 1 + high)
         stats = {
             "approx_kl": (((ratio - 1) - log_ratio) * w).sum() / denom,
-            "clip_frac": (((ratio - 1).abs() > clip_param).float() * w).sum() / denom,
+            "clip_frac": (clipped.float() * w).sum() / denom,
             "ratio": (ratio * w).sum() / denom,
         }
     return loss, stats

@@ -55,11 +55,20 @@ class TeamDiagnostics:
 
     def rollout_stats(self, buffer, token_level: bool = False) -> dict[str, float]:
         """Per role, from a buffer whose advantages are computed: ``roles/<role>/turns_per_step``,
-        ``reply_tokens`` and ``advantage`` (``token_level``: the mean over its real reply tokens); the
-        orchestrator's calls per role since the last report."""
+        ``reply_tokens``, ``advantage`` (``token_level``: the mean over its real reply tokens) and
+        ``zero_advantage_share`` (the share of its turns whose advantage is exactly 0: turns that cannot move
+        the policy, e.g. GRPO groups whose returns are all equal); over all roles ``charts/zero_advantage_share``;
+        the orchestrator's calls per role since the last report."""
         out = {}
         env_steps = max(int(buffer.active.sum()), 1)
         lengths = buffer.response_mask.sum(-1).float()  # (T, E, S)
+        if token_level:  # a turn carries no signal when every real reply token's advantage is 0
+            zero = ((buffer.token_advantages != 0) & buffer.response_mask.bool()).sum(-1) == 0  # (T, E, S)
+        else:
+            zero = buffer.advantages == 0  # (T, E, S)
+        played = buffer.played  # (T, E, S)
+        if played.any():
+            out["charts/zero_advantage_share"] = float(zero[played].float().mean())
         for agent, role in enumerate(self.roles):
             mine = buffer.agent == agent  # (T, E, S)
             count = int(mine.sum())
@@ -67,6 +76,7 @@ class TeamDiagnostics:
             if not count:
                 continue
             out[f"roles/{role}/reply_tokens"] = float(lengths[mine].mean())
+            out[f"roles/{role}/zero_advantage_share"] = float(zero[mine].float().mean())
             if token_level:
                 mask = buffer.response_mask[mine].bool()
                 out[f"roles/{role}/advantage"] = float(buffer.token_advantages[mine][mask].mean()) if mask.any() else 0.0
