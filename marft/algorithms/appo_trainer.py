@@ -276,8 +276,9 @@ class APPOTrainer:
         counts = [self.loss_units(samples, indices) for indices in minibatches]
         if with_kl:
             counts += [float(samples["response_mask"][indices].sum()) for indices in minibatches]
-        counts = self.dist.sum_floats(counts)
-        units, kl_units = counts[: len(minibatches)], counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
+        counts = self.dist.sum_floats(counts)  # one all-reduce: [units of each minibatch, (its reply tokens)]
+        units = counts[: len(minibatches)]
+        kl_units = counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
         return [
             ([chunk for chunk in indices.chunk(chunks_per_minibatch) if len(chunk)], max(u, 1.0), max(k, 1.0))
             for indices, u, k in zip(minibatches, units, kl_units)
