@@ -28,7 +28,6 @@ from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, nor
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
 from marft.faults import TrainingStopped
-from marft.memory import release_freed_host_memory
 from marft.runner.shared.buffer import RolloutBuffer, trim_batch
 
 logger = logging.getLogger(__name__)
@@ -233,13 +232,11 @@ class APPOTrainer:
             metrics = {}
             for critic in self.critic_optimizers:  # the shared critic on every turn, or each agent's critic on its own
                 metrics.update(self.update_critic(buffer.critic_samples(self.token_level, self.team.critic.agents_of(critic)), critic))
-                self._release_memory()
             for adapter, agents in self.adapter_groups(agents).items():
                 samples = buffer.agent_samples(agents, self.token_level)
                 label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
                 for key, value in self.update_policy(adapter, samples).items():
                     metrics[f"agent_{label}/{key}"] = value
-                self._release_memory()
         self.team.set_active(None)
         if self.dist.enabled:  # counted over all processes, so every process keeps the same counters
             (counted,) = self.dist.sum_floats([self.counters["out_of_topk_tokens"] - out_of_topk])
@@ -252,13 +249,6 @@ class APPOTrainer:
         n_samples = samples["prompt_ids"].shape[0]
         counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
         return int(sum(counts[: self.dist.rank])), int(sum(counts))
-
-    def _release_memory(self) -> None:
-        """After one adapter's update on CPU: the activations it freed go back to the OS
-        (:func:`~marft.memory.release_freed_host_memory`), so peak memory is the largest minibatch's, not a sum over
-        the agents' phases. On GPUs torch's caching allocator reuses its blocks itself (nothing to do)."""
-        if self.team.device.type == "cpu":
-            release_freed_host_memory()
 
     def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
@@ -365,7 +355,6 @@ class APPOTrainer:
                             loss_ok = False
                             break
                         loss.backward()
-                        self._release_memory()  # this chunk's activations: the next chunk's may not fit their holes
                         stats["policy_loss"].append(policy_loss.item())
                         stats["entropy"].append(entropy.item())
                         for key, value in pstats.items():
@@ -407,7 +396,6 @@ class APPOTrainer:
                             loss_ok = False
                             break
                         loss.backward()
-                        self._release_memory()
                         stats["value_loss"].append(value_loss.item())
                 stats["grad_norm"].append(self._step(self.critic_optimizers[critic], params, loss_ok, critic))
         if self.token_level:
