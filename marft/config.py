@@ -129,7 +129,9 @@ class AlgoConfig:
     train_orchestrator: bool = True
     """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
     kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy (the base model, adapters off): the k3 estimator per reply token, added to the policy loss (0: none, no reference forward)."""
+    """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, averaged over each minibatch's reply tokens and added to the policy loss (0: none, no reference forward)."""
+    kl_reference: str = "auto"
+    """The KL penalty's reference policy: base (the base model, adapters off), initial (each agent's adapter as training started, kept frozen: a copy of the adapters, saved in checkpoints) or auto (initial when training starts from --load_path, e.g. a scripts/sft.py warm start; base otherwise). A run records what auto meant, so a resumed run keeps its reference."""
     lr: float = 1e-3
     """Learning rate of the agents' adapters."""
     critic_lr: float = 1e-3
@@ -188,6 +190,7 @@ class AlgoConfig:
         check_choice("algorithm_name", self.algorithm_name)
         check_choice("normalization_mode", self.normalization_mode)
         check_choice("credit_assignment", self.credit_assignment)
+        check_choice("kl_reference", self.kl_reference)
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
@@ -316,9 +319,17 @@ CRITIC_MODES = {
 }
 """``--critic_mode`` → what it builds (the one table of modes)."""
 
+KL_REFERENCES = {
+    "base": "the base model, every adapter off",
+    "initial": "each policy adapter as training started, kept frozen (a copy of the adapter)",
+    "auto": "initial when training starts from --load_path (a checkpoint or warm start), base otherwise",
+}
+"""``--kl_reference`` → the KL penalty's reference policy (the one table of references)."""
+
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
                             "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
-                            "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS}
+                            "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS,
+                            "kl_reference": KL_REFERENCES}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

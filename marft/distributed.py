@@ -9,6 +9,9 @@ together are the envs of a single-process run. Rollouts run in parallel; what mu
   (:meth:`Distributed.sync_gradients`). Each process weights its chunks by the GLOBAL minibatch's loss units,
   so the sum is the gradient of the union of the batches. Clipping then sees the global gradient norm, and a
   non-finite loss on any process skips the step on all of them (the flag travels in the same buffer).
+* **Minibatches**: the processes' shares may differ in size (an orchestrator calls agents unevenly); rank 0
+  draws each epoch's permutation of the union of the rows (:meth:`Distributed.permutation`), so every process
+  runs the same number of minibatches (its part of one possibly empty) and the collectives stay matched.
 * **Statistics**: advantage mean/std, the PPO epoch's KL for ``--target_kl`` and the critic's explained
   variance are computed over the global batch (:meth:`Distributed.mean_std`, :meth:`Distributed.sum_floats`).
 
@@ -112,6 +115,16 @@ class Distributed:
             for p in params:
                 p.copy_(buffer[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
+
+    def permutation(self, n: int) -> torch.Tensor:
+        """``torch.randperm(n)`` drawn by rank 0 (from its torch RNG) and the same on every process (one broadcast).
+        One process: exactly ``torch.randperm(n)``."""
+        if not self.enabled:
+            return torch.randperm(n)
+        perm = torch.randperm(n) if self.is_main else torch.empty(n, dtype=torch.long)
+        buffer = perm.to(self._comm_device(None))
+        tdist.broadcast(buffer, src=0)
+        return buffer.cpu()
 
     def gather_objects(self, obj) -> list:
         """``obj`` of every process, by rank (picklable Python objects: states, metrics)."""

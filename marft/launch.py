@@ -202,6 +202,27 @@ def build_team(config: TrainConfig, profile, dist=None):
     return team, trainer
 
 
+def resolve_kl_reference(config: TrainConfig) -> str:
+    """What ``--kl_reference`` means for this run: ``base`` or ``initial`` as given; ``auto``: ``initial`` when
+    training starts from ``--load_path`` (a checkpoint of ``scripts/sft.py``, whose config says ``auto``), else ``base``.
+    A checkpoint whose config names a reference keeps it; one saved before the flag existed by an RL run (iteration
+    > 0) trained against the base model, and keeps it."""
+    value = config.algo.kl_reference
+    if value != "auto":
+        return value
+    if not config.runner.load_path:
+        return "base"
+    from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
+
+    saved, state = read_checkpoint_meta(find_checkpoint(config.runner.load_path))
+    saved_value = saved.get("algo", {}).get("kl_reference")
+    if saved_value in ("base", "initial"):
+        return saved_value
+    if saved_value is None and int(state.get("iteration", 0)) > 0:
+        return "base"
+    return "initial"
+
+
 def build_runner(config: TrainConfig, validated=None):
     """The base model, agent team, trainer, training envs and :class:`Runner` that ``config`` describes.
 
@@ -214,6 +235,9 @@ def build_runner(config: TrainConfig, validated=None):
     profile, make_train_env, make_eval_env = validated or validate(config)
     dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
     team, trainer = build_team(config, profile, dist)
+    config.algo.kl_reference = resolve_kl_reference(config)  # recorded in the run's config: a resume keeps it
+    if config.algo.kl_coef > 0 and config.algo.kl_reference == "initial":
+        team.add_reference_adapters()  # the adapters as they start; a checkpoint's own references replace them on restore
     envs = TextVectorEnv([make_train_env] * (config.runner.n_rollout_threads // dist.world_size))
     run_dir = dist.broadcast_object(default_run_dir(config))  # rank 0's timestamp
     if dist.is_main:

@@ -113,6 +113,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clip_param", type=float, default=AlgoConfig.clip_param, help=field_docs(AlgoConfig)["clip_param"])
     p.add_argument("--clip_param_high", type=float, default=AlgoConfig.clip_param_high, help=field_docs(AlgoConfig)["clip_param_high"])
     p.add_argument("--temperature", type=float, default=ModelConfig.temperature, help=field_docs(ModelConfig)["temperature"])
+    p.add_argument("--kl_reference", default=AlgoConfig.kl_reference, choices=list(CHOICES["kl_reference"]), help=field_docs(AlgoConfig)["kl_reference"])
     p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
     p.add_argument("--normalization_mode", default="sum", choices=list(CHOICES["normalization_mode"]), help=field_docs(AlgoConfig)["normalization_mode"])
     p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
@@ -189,7 +190,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
             algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
             num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
             target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
-            group_size=args.group_size, kl_coef=args.kl_coef, credit_assignment=args.credit_assignment,
+            group_size=args.group_size, kl_coef=args.kl_coef, kl_reference=args.kl_reference, credit_assignment=args.credit_assignment,
             credit_discount=args.credit_discount, clip_param=args.clip_param, clip_param_high=args.clip_param_high,
             target_entropy=args.target_entropy, entropy_coef_step=args.entropy_coef_step,
             update_on_constant_rewards=args.bench != "learning",  # timings: the policies are updated on every batch

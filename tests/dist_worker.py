@@ -1,6 +1,7 @@
 """What ``tests/test_distributed.py`` runs in each process of ``torchrun --standalone --nproc_per_node P`` (gloo on CPU).
 
     dist_worker.py update MODEL_DIR OUT_DIR     one update with P processes vs one process on the union (per case)
+    dist_worker.py unequal MODEL_DIR OUT_DIR    the same with 2 processes holding 9 and 12 of 21 turns (and 21 and 0, 0 and 0)
     dist_worker.py train OUT_DIR -- FLAGS...    ``marft.launch.main(FLAGS)``; then this rank's weight hash and pid files
 
 Each rank writes ``OUT_DIR/rank<r>.json``.
@@ -33,7 +34,8 @@ class DenseRelaySum(RelaySumEnv):
 def trainable(team) -> dict[str, torch.Tensor]:
     """Every adapter's LoRA weights and the value head, by name (detached copies)."""
     out = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" in n}
-    out.update({f"value_head.{n}": p.detach().clone() for n, p in team.critic.value_head.named_parameters()})
+    if team.critic is not None:  # critic-free teams (GRPO) have none
+        out.update({f"value_head.{n}": p.detach().clone() for n, p in team.critic.value_head.named_parameters()})
     return out
 
 
@@ -121,7 +123,7 @@ def restore(team, weights: dict[str, torch.Tensor]) -> None:
         for n, p in team.model.named_parameters():
             if n in weights:
                 p.copy_(weights[n])
-        for n, p in team.critic.value_head.named_parameters():
+        for n, p in team.critic.value_head.named_parameters() if team.critic is not None else ():
             p.copy_(weights[f"value_head.{n}"])
 
 
@@ -139,6 +141,68 @@ def nan_on_one_rank(trainer, team, buffer, dist) -> dict:
     trainer.update(env_share(buffer, dist.rank, dist.world_size), 1)
     trainer.policy_loss = policy_loss
     return {"skipped": trainer.counters["skipped_minibatches"] - skipped, "hash": weights_hash(team)}
+
+
+UNEQUAL_CASES = [("APPO", 9), ("TPPO", 9), ("GRPO", 9), ("APPO", 21), ("APPO", 0)]
+"""(algorithm, rows on rank 0 of the 21 turns of agent 0; rank 1 holds the rest): 9 and 12; 21 and none; and
+``(APPO, 0)``, where no process has a row of the adapter (the update is skipped on both)."""
+
+
+def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
+    """Agent 0's policy update (and, with a critic, the critic's on agent 0's turns) with 2 processes holding
+    unequal shares of 21 turns, against one process on all 21 (rank 0's rows first), with ``num_mini_batch 4``
+    (minibatches of 6, 6, 6, 3 rows: per share ceil(9/4) and ceil(12/4) would give 3 and 4 minibatches), two
+    chunks each, two epochs, clipping and the reference KL on. SGD (lr 1) as in :func:`update_cases`."""
+    from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
+    from marft.distributed import SINGLE
+    from marft.launch import build_runner
+
+    results = {}
+    for algorithm, first in UNEQUAL_CASES:
+        name = f"{algorithm}_{first}"
+        config = TrainConfig(
+            model=ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=128),
+            env=EnvConfig(env_name="dense_relay_sum", horizon=3),
+            algo=AlgoConfig(algorithm_name=algorithm, ppo_epoch=2, num_mini_batch=4, gradient_cp_steps=2, max_grad_norm=0.05,
+                            kl_coef=0.5, group_size=7 if algorithm == "GRPO" else 4),
+            runner=RunnerConfig(n_rollout_threads=7, episode_length=3, num_env_steps=21, output_dir=str(out_dir / f"run_{name}_{dist.rank}")),
+        )
+        os.environ["WORLD_SIZE"] = "1"  # build a one-process runner in every process: the same batch everywhere
+        runner = build_runner(config)
+        os.environ["WORLD_SIZE"] = str(dist.world_size)
+        trainer, team = runner.trainer, runner.team
+        buffer, _ = runner.collect()
+        trainer.compute_advantages(buffer)
+        jobs = [("policy", trainer.update_policy, team.agent_adapters[0], buffer.agent_samples(0, trainer.token_level))]
+        if trainer.uses_critic:
+            jobs.append(("critic", trainer.update_critic, "critic", buffer.critic_samples(trainer.token_level, [0])))
+        start = trainable(team)
+        trainer.config.lr = trainer.config.critic_lr = 1.0
+        trainer.policy_optimizers = {a: torch.optim.SGD(team.adapter_parameters(a), lr=1.0) for a in team.policy_adapters}
+        trainer.critic_optimizers = {c: torch.optim.SGD(team.critic.trainable_parameters(c), lr=1.0) for c in team.critic_adapters}
+        for job, update, adapter, samples in jobs:
+            assert len(samples["prompt_ids"]) == 21, len(samples["prompt_ids"])
+            if first == 0:  # no process has a row
+                samples = {k: v[:0] for k, v in samples.items()}
+            trainer.dist = SINGLE
+            torch.manual_seed(1)
+            update(samples, adapter) if job == "critic" else update(adapter, samples)
+            reference = trainable(team)
+            restore(team, start)
+            share = slice(0, first) if dist.rank == 0 else slice(first, None)
+            trainer.dist = dist
+            torch.manual_seed(1)
+            mine = {k: v[share] for k, v in samples.items()}
+            update(mine, adapter) if job == "critic" else update(adapter, mine)
+            got = trainable(team)
+            results[f"{name}/{job}"] = {
+                "max_diff": max(float((got[k] - reference[k]).abs().max()) for k in reference),
+                "moved": max(float((reference[k] - start[k]).abs().max()) for k in reference),
+                "hash": weights_hash(team),
+                "skipped_updates": trainer.counters.get(f"skipped_updates/{adapter}", 0),
+            }
+            restore(team, start)
+    return results
 
 
 def train(out_dir: Path, argv: list[str], rank: int) -> dict:
@@ -167,6 +231,11 @@ def main() -> int:
 
         out_dir = Path(sys.argv[3])
         result = update_cases(sys.argv[2], out_dir, init_distributed("cpu", 120))
+    elif mode == "unequal":
+        from marft.distributed import init_distributed
+
+        out_dir = Path(sys.argv[3])
+        result = unequal_cases(sys.argv[2], out_dir, init_distributed("cpu", 60))
     else:
         out_dir = Path(sys.argv[2])
         result = train(out_dir, sys.argv[sys.argv.index("--") + 1 :], rank)

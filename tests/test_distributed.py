@@ -98,6 +98,39 @@ def test_a_nan_on_one_process_skips_the_step_on_all(update_results):
     assert first["hash"] == second["hash"], "the processes' weights diverged"
 
 
+# ---------------------------------------------------------------------- unequal shares: 9 and 12 turns == 21 in one process
+@pytest.fixture(scope="module")
+def unequal_results(random_model_dir, tmp_path_factory):
+    """Before the shares agreed on a minibatch count, 9 vs 12 rows with --num_mini_batch 4 ran 3 and 4 minibatches:
+    the fourth all-reduce waited for gloo's timeout (the worker's: 60 s). The subprocess's own timeout turns a hang
+    into a failure."""
+    out = tmp_path_factory.mktemp("unequal")
+    done = launch("unequal", random_model_dir, str(out), timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ranks(out)
+
+
+@pytest.mark.parametrize("case", ["APPO_9", "TPPO_9", "GRPO_9", "APPO_21"])
+def test_two_processes_with_unequal_shares_update_as_one_process_on_the_union(unequal_results, case):
+    """4 minibatches of the 21 rows (6, 6, 6, 3), two chunks each, two epochs, clipping and the reference KL;
+    SGD (lr 1), so the weights are linear in the clipped global gradient (float32 summation order: 1e-5)."""
+    for job in ("policy", "critic"):
+        if f"{case}/{job}" not in unequal_results[0]:  # GRPO has no critic
+            continue
+        for rank in unequal_results:
+            result = rank[f"{case}/{job}"]
+            assert result["moved"] > 1e-3, f"{job}: the update did not move the weights"
+            assert result["max_diff"] < 1e-5, (job, result)
+        assert unequal_results[0][f"{case}/{job}"]["hash"] == unequal_results[1][f"{case}/{job}"]["hash"]
+
+
+def test_an_adapter_with_no_rows_on_any_process_is_skipped_on_all(unequal_results):
+    for rank in unequal_results:
+        for job in ("policy", "critic"):
+            result = rank[f"APPO_0/{job}"]
+            assert result["moved"] == 0 and result["max_diff"] == 0 and result["skipped_updates"] >= 1, (job, result)
+
+
 # ---------------------------------------------------------------------- checkpoints
 def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file

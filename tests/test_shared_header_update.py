@@ -170,10 +170,10 @@ def _same_agents_in_every_chunk(minibatches, buffer):
     """``trainer._minibatches`` whose chunks each hold rows of every agent (round-robin over the agents' rows)."""
     def wrapped(samples, chunks_per_minibatch):
         out = []
-        for chunks, units in minibatches(samples, chunks_per_minibatch):
+        for chunks, *units in minibatches(samples, chunks_per_minibatch):
             rows = torch.cat(chunks)
             by_agent = [rows[samples["agent"][rows] == a] for a in samples["agent"].unique()]
             interleaved = torch.stack([r[: min(len(x) for x in by_agent)] for r in by_agent], 1).flatten()
-            out.append((list(interleaved.chunk(chunks_per_minibatch)), units))
+            out.append((list(interleaved.chunk(chunks_per_minibatch)), *units))
         return out
     return wrapped

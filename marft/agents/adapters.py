@@ -7,6 +7,7 @@ is the team's business; the bank only knows names.
 
 from __future__ import annotations
 
+import copy
 import re
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Sequence
@@ -108,6 +109,39 @@ class AdapterBank:
         """``adapter``'s parameters require grad, every other LoRA parameter does not (None: none does)."""
         for name, p in self.model.named_parameters():
             p.requires_grad_(adapter is not None and adapter_of(name) == adapter)
+
+    def add_frozen_copies(self, copies: dict[str, str]) -> None:
+        """For each ``source: name``, a new adapter ``name`` holding ``source``'s current weights, as a frozen
+        reference: it has no dropout, and never requires grad nor enters an optimizer (both select adapters by
+        name). Its memory is one more adapter's, not a model copy's.
+
+        Raises:
+            ValueError: a name is taken by an existing adapter, or a source does not exist."""
+        taken = set(copies.values()) & set(self.model.peft_config)
+        if taken:
+            raise ValueError(f"cannot add frozen adapter(s) {sorted(taken)}: an adapter has that name already")
+        missing = set(copies) - set(self.model.peft_config)
+        if missing:
+            raise ValueError(f"no adapter named {sorted(missing)} to copy")
+        active = self.active
+        for source, name in copies.items():
+            config = copy.deepcopy(self.model.peft_config[source])
+            config.lora_dropout = 0.0
+            self.model.add_adapter(name, config)
+            self.copy_weights(source, name)
+        self.route(active)
+        self.train_only(None)
+        self.model.eval()
+
+    def copy_weights(self, source: str, target: str) -> None:
+        """Copy adapter ``source``'s LoRA weights into adapter ``target`` (same layers, same shapes)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in params.items():
+                if adapter_of(name) == source:
+                    parts = name.split(".")
+                    at = next(i + 1 for i, part in enumerate(parts[:-1]) if part.startswith("lora_") and parts[i + 1] == source)
+                    params[".".join([*parts[:at], target, *parts[at + 1 :]])].copy_(p)
 
     @contextmanager
     def reference_policy(self):

@@ -41,6 +41,8 @@ from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
 
 SHARED_ADAPTER = "shared"
+REFERENCE_PREFIX = "ref_"
+"""A policy adapter's frozen KL reference is the adapter ``ref_<adapter>`` (:meth:`AgentTeam.add_reference_adapters`)."""
 
 
 @dataclass
@@ -117,6 +119,9 @@ class AgentTeam(nn.Module):
         )
         hidden = base_model.config.get_text_config().hidden_size
         self.critic = Critic(self.headers, agent_critics, hidden, self._device, config.merge_lora_in_rollout) if with_critic else None
+        self.reference_adapters: dict[str, str] = {}
+        """Per policy adapter, its frozen copy kept as the KL reference (``--kl_reference initial``,
+        :meth:`add_reference_adapters`); empty: the reference is the base model."""
         self.set_active(None)
 
     # ------------------------------------------------------------------ adapters
@@ -142,6 +147,15 @@ class AgentTeam(nn.Module):
     def adapters(self) -> list[str]:
         """Every adapter of the team: the policies', then the critics'."""
         return self.policy_adapters + self.critic_adapters
+
+    def add_reference_adapters(self) -> dict[str, str]:
+        """Keep each policy adapter's current weights as its KL reference: a frozen adapter ``ref_<adapter>``
+        (a copy of the adapter, not of the model), never trained. Returns ``{adapter: reference}``."""
+        names = {adapter: f"{REFERENCE_PREFIX}{adapter}" for adapter in self.policy_adapters}
+        self.bank.add_frozen_copies(names)
+        self.reference_adapters = names
+        self.set_active(None)
+        return names
 
     def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
         """The LoRA parameters of one adapter (by the exact adapter segment of their names)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from contextlib import nullcontext
 
 import torch
 
@@ -42,10 +43,14 @@ def buffer_credits(buffer: RolloutBuffer, mode: str, credit_discount: float) -> 
 class APPOTrainer:
     """Owns the optimizers and runs one PPO update per rollout batch.
 
-    With several processes (``dist``), each holds its share of the rollout batch and every optimizer step
-    equals the single-process step on the union of the shares: each process shuffles its own rows and splits
-    them into ``num_mini_batch`` minibatches (as many on every process, since the shares are equal), and step
-    k uses the union of the processes' k-th minibatches, its chunks weighted by that union's loss units."""
+    With several processes (``dist``), each holds its share of the rollout batch (shares may differ in size,
+    down to none) and every optimizer step equals the single-process step on the union of the shares, rank 0's
+    rows first: rank 0 draws one permutation of the union's rows per epoch and shares it, the union is split
+    into ``num_mini_batch`` minibatches (as many on every process, whatever its share), each process steps
+    with its own rows of minibatch k (possibly none), its chunks weighted by the union's loss units.
+
+    An adapter (or critic) with no rows on any process is not updated at all (no optimizer step, so neither its
+    weights nor its optimizer state move) and the skip is counted (``counters/skipped_updates/<adapter>``)."""
 
     def __init__(self, team: AgentTeam, config: AlgoConfig, steps_per_iteration: int, dist: Distributed = SINGLE):
         self.team = team
@@ -171,36 +176,41 @@ class APPOTrainer:
         old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
         loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param, clip_param_high=cfg.clip_param_high)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-        return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
+        self.add_reference_kl(token_logp, mb, stats)
+        return loss, entropy, stats
 
-    def with_reference_kl(self, loss: torch.Tensor, token_logp: torch.Tensor, mb: dict[str, torch.Tensor], stats: dict) -> torch.Tensor:
-        """``loss + kl_coef * KL(policy || reference)``, the KL by the k3 estimator ``exp(r) - r - 1`` with
-        ``r = log p_ref - log p`` per real reply token, averaged over tokens (as GRPO papers put it in the
-        loss; AReaL's reward penalty would move it into the advantages). The reference is the base model
-        (adapters off). Logged as ``kl_to_reference``. With ``kl_coef`` 0 the loss is unchanged and no
-        reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
+    def add_reference_kl(self, token_logp: torch.Tensor, mb: dict[str, torch.Tensor], stats: dict) -> None:
+        """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
+        ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
+        would move it into the advantages). Puts into ``stats`` the chunk's k3 SUM over its real tokens
+        (``kl_token_sum``, in the graph), which the update weights by ``kl_coef / tokens of the global
+        minibatch``: the KL is a mean over the minibatch's tokens, whatever the chunks or the processes; and its
+        mean over the chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s.
+        With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
         if self.config.kl_coef <= 0:
-            return loss
+            return
         mask = mb["response_mask"].float()  # (B, L)
         log_ratio = (mb["ref_logprobs"] - token_logp) * mask  # (B, L)
         k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
-        kl = k3.sum() / mask.sum().clamp(min=1)
-        stats["kl_to_reference"] = kl.detach()
-        return loss + self.config.kl_coef * kl
+        stats["kl_token_sum"] = k3.sum()
+        stats["kl_to_reference"] = k3.sum().detach() / mask.sum().clamp(min=1)
 
     @torch.no_grad()
-    def reference_logprobs(self, samples: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``(B, L)`` log-probs of the sampled replies under the reference policy (the base model: every adapter
-        off, free with LoRA), in chunks of one gradient-accumulation chunk's size; zero at padding."""
+    def reference_logprobs(self, samples: dict[str, torch.Tensor], adapter: str | None = None) -> torch.Tensor:
+        """``(B, L)`` log-probs of the sampled replies under the reference policy of ``adapter`` (``--kl_reference``):
+        its frozen copy from the start of training (``initial``: :meth:`AgentTeam.add_reference_adapters`), or the
+        base model (``base``: every adapter off, free with LoRA), in chunks of one gradient-accumulation chunk's
+        size; zero at padding."""
         n_samples, L = samples["response_ids"].shape
         size = max(1, math.ceil(n_samples / (self.config.num_mini_batch * self.config.gradient_cp_steps)))
         out = torch.zeros(n_samples, L)
-        adapter = self.team.policy_adapters[0]
+        reference = self.team.reference_adapters.get(adapter) if adapter is not None else None
+        route = reference or self.team.policy_adapters[0]
         for rows in torch.arange(n_samples).split(size):
             mb = trim_batch({k: samples[k][rows] for k in ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask")}, self.team.device)
-            with self.team.bank.reference_policy():
+            with self.team.bank.reference_policy() if reference is None else nullcontext():
                 scores = self.team.response_logprobs(
-                    adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], agents=mb["agent"]
+                    route, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], agents=mb["agent"]
                 )
             out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
         return out
@@ -257,22 +267,55 @@ class APPOTrainer:
             self.counters["out_of_topk_tokens"] = out_of_topk + int(counted)
         return metrics
 
-    def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float]]:
-        """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
-        units of each minibatch summed over processes (one all-reduce per epoch). Returns ``[(chunks, units)]``.
-
-        A minibatch's rows are sorted by length before it is cut into chunks: each chunk then holds rows of
-        similar lengths and pays for less padding (the minibatch's gradient, their sum, is the same)."""
+    def _row_share(self, samples: dict[str, torch.Tensor]) -> tuple[int, int]:
+        """``(offset, total)``: where this process's rows start in the union of all processes' rows (rank 0's
+        first) and how many rows the union has (one all-reduce; ``(0, n)`` with one process)."""
         n_samples = samples["prompt_ids"].shape[0]
-        size = math.ceil(n_samples / self.config.num_mini_batch)
-        minibatches = torch.randperm(n_samples).split(size)
+        counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
+        return int(sum(counts[: self.dist.rank])), int(sum(counts))
+
+    def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
+        """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
+        units and the reply tokens (the reference KL's units) of each minibatch summed over processes.
+        Returns ``[(chunks, units, kl_units)]``.
+
+        The permutation is of the union of all processes' rows (drawn by rank 0, :meth:`Distributed.permutation`),
+        cut into ``num_mini_batch`` minibatches of ``ceil(total / num_mini_batch)`` rows; each process keeps its own
+        rows of each, so every process runs as many minibatches (its own part possibly empty: no chunk) and the
+        union of the processes' k-th minibatches is the single-process k-th minibatch on the union. A minibatch's
+        rows are sorted by length before it is cut into chunks: each chunk then holds rows of similar lengths and
+        pays for less padding (the minibatch's gradient, their sum, is the same)."""
+        n_samples = samples["prompt_ids"].shape[0]
+        offset, total = self._row_share(samples)
+        size = max(1, math.ceil(total / self.config.num_mini_batch))
+        minibatches = [
+            indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
+        ]
         if chunks_per_minibatch > 1:
             lengths = samples["prompt_mask"].sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
             if "response_mask" in samples:
                 lengths = lengths + samples["response_mask"].sum(-1)
             minibatches = [indices[lengths[indices].argsort(stable=True)] for indices in minibatches]
-        units = self.dist.sum_floats([self.loss_units(samples, indices) for indices in minibatches])
-        return [(indices.chunk(chunks_per_minibatch), max(u, 1.0)) for indices, u in zip(minibatches, units)]
+        with_kl = self.config.kl_coef > 0 and "response_mask" in samples
+        counts = [self.loss_units(samples, indices) for indices in minibatches]
+        if with_kl:
+            counts += [float(samples["response_mask"][indices].sum()) for indices in minibatches]
+        counts = self.dist.sum_floats(counts)  # one all-reduce: [units of each minibatch, (its reply tokens)]
+        units = counts[: len(minibatches)]
+        kl_units = counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
+        return [
+            ([chunk for chunk in indices.chunk(chunks_per_minibatch) if len(chunk)], max(u, 1.0), max(k, 1.0))
+            for indices, u, k in zip(minibatches, units, kl_units)
+        ]
+
+    def _skip_update(self, name: str) -> dict[str, float]:
+        """Count and log an update of ``name`` (an adapter or critic) skipped because no process has a row of it
+        (e.g. an agent the orchestrator never called): no optimizer step, so nothing of it moves."""
+        key = f"skipped_updates/{name}"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        if self.dist.is_main:
+            logger.info("iteration %d, %s: no turns in this batch on any process, update skipped (%d so far)", self.iteration + 1, name, self.counters[key])
+        return {}
 
     def _step(self, optimizer, params, loss_ok: bool, name: str) -> float:
         """Clip and apply the accumulated gradient of optimizer ``name``; skip (and count) a non-finite one.
@@ -312,21 +355,26 @@ class APPOTrainer:
         cfg, team = self.config, self.team
         optimizer = self.policy_optimizers[adapter]
         params = team.adapter_parameters(adapter)
+        if self._row_share(samples)[1] == 0:
+            return self._skip_update(adapter)
         team.set_active(adapter, trainable=True)
         samples = self.normalized_advantages(samples)
         if cfg.kl_coef > 0:
-            samples["ref_logprobs"] = self.reference_logprobs(samples)
+            samples["ref_logprobs"] = self.reference_logprobs(samples, adapter)
         stats = defaultdict(list)
         self.scored_positions = [0, 0]
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
-            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps):
+            for chunks, units, kl_units in self._minibatches(samples, cfg.gradient_cp_steps):
                 loss_ok = True
                 with team.headers.shared_over_chunks():  # each role header: one forward and backward per minibatch
                     for chunk in chunks:
                         mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
                         loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
+                        kl_sum = pstats.pop("kl_token_sum", None)
+                        if kl_sum is not None:  # a mean over the global minibatch's reply tokens, whatever the chunks
+                            loss = loss + cfg.kl_coef * kl_sum / kl_units
                         if not torch.isfinite(loss):
                             loss_ok = False
                             break
@@ -371,11 +419,13 @@ class APPOTrainer:
         many chunks, so a forward/backward chunk holds as many turns as an agent's and peak memory does not
         grow with the team size. Metrics are tagged ``critic/...`` (shared) or ``critic_<role>/...``."""
         cfg, team = self.config, self.team
+        if self._row_share(samples)[1] == 0:
+            return self._skip_update(critic)
         params = team.critic.trainable_parameters(critic)
         team.set_active(critic, trainable=True)
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
+            for chunks, units, _ in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok = True
                 with team.headers.shared_over_chunks():
                     for chunk in chunks:

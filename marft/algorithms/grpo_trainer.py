@@ -69,4 +69,5 @@ class GRPOTrainer(APPOTrainer):
         advantages = mb["advantages"].unsqueeze(-1).expand_as(token_logp)  # (B, L): the reply's advantage on each token
         loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
-        return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
+        self.add_reference_kl(token_logp, mb, stats)
+        return loss, entropy, stats

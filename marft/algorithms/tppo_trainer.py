@@ -57,7 +57,8 @@ class TPPOTrainer(APPOTrainer):
         mask = mb["response_mask"].float()
         loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], mb["token_advantages"], self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
-        return self.with_reference_kl(loss, token_logp, mb, stats), entropy, stats
+        self.add_reference_kl(token_logp, mb, stats)
+        return loss, entropy, stats
 
     def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
         """Clipped value loss of every real reply token's value under ``critic`` (default: the shared one)."""

@@ -4,6 +4,7 @@ Layout of one checkpoint::
 
     steps_<N>/
       <adapter>/adapter_model.safetensors, adapter_config.json   # one PEFT folder per role (and ``critic``)
+      ref_<adapter>/...                                          # with --kl_reference initial: the frozen KL reference
       value_head.safetensors                                     # the critic's value head (not in critic-free runs)
       optimizers.pt                                              # optimizer states and counters (tensors, numbers)
       trainer_state.json                                         # iteration, env steps, roles, counters, RNG states
@@ -109,7 +110,7 @@ def save_checkpoint(
         checkpoint_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for adapter in team.adapters:
+        for adapter in [*team.adapters, *team.reference_adapters.values()]:
             team.model.save_pretrained(tmp, selected_adapters=[adapter])
         if team.has_critic:
             save_file({k: v.detach().cpu().contiguous() for k, v in value_head_state(team).items()}, tmp / "value_head.safetensors")
@@ -197,6 +198,11 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
         if not weights.is_file():
             raise CheckpointError(f"checkpoint {path} has no adapter {adapter!r} ({weights} missing): was it saved by a different team?")
         adapters[adapter] = _read(weights, lambda f: load_file(f, device=str(team.device)))
+    references = {}  # the frozen KL references (--kl_reference initial) this checkpoint has; the others start as their adapter
+    for adapter, reference in team.reference_adapters.items():
+        weights = path / reference / "adapter_model.safetensors"
+        if weights.is_file():
+            references[reference] = _read(weights, lambda f: load_file(f, device=str(team.device)))
     if team.has_critic and not (path / "value_head.safetensors").is_file():
         raise CheckpointError(f"checkpoint {path} has no critic (value_head.safetensors): it was saved by a critic-free run (GRPO)")
     value_head = _read(path / "value_head.safetensors", lambda f: load_file(f, device=str(team.device))) if team.has_critic else None
@@ -205,6 +211,11 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
         result = set_peft_model_state_dict(team.model, weights, adapter_name=adapter)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{path / adapter / 'adapter_model.safetensors'} holds weights this model does not have: {result.unexpected_keys[:3]}")
+    for adapter, reference in team.reference_adapters.items():
+        if reference in references:
+            set_peft_model_state_dict(team.model, references[reference], adapter_name=reference)
+        else:  # training starts here from these adapters (a warm start): they are the reference
+            team.bank.copy_weights(adapter, reference)
     if team.has_critic:
         _apply(path / "value_head.safetensors", lambda: load_value_head_state(team, value_head))
     _apply(path / "optimizers.pt", lambda: trainer.load_state_dict(optimizers))

@@ -1,0 +1,122 @@
+"""``--kl_reference`` (issue 30, item 4): the KL penalty's reference after a warm start.
+
+A run started from a checkpoint (``scripts/sft.py``'s warm start, ``--load_path``) keeps the adapters it starts
+from, frozen, as its reference (``initial``, the default there): its KL is 0 at iteration 0, where the bare base
+model's (``base``) pulls the team back to before the warm start. The references are frozen adapters
+(``ref_<adapter>``), never in an optimizer, saved in checkpoints, and a resumed run keeps them.
+"""
+
+import json
+
+import pytest
+import torch
+
+from marft.agents.adapters import adapter_of
+from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
+from marft.launch import build_runner, resolve_kl_reference
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def config(model_dir, run, **algo) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=128),
+        env=EnvConfig(env_name="dense_relay_sum", horizon=2),
+        algo=AlgoConfig(**{"ppo_epoch": 1, "num_mini_batch": 1, **algo}),
+        runner=RunnerConfig(n_rollout_threads=2, episode_length=1, num_env_steps=4, output_dir=str(run)),
+    )
+
+
+def lora(team, adapter) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in team.model.named_parameters() if adapter_of(n) == adapter}
+
+
+@pytest.fixture(scope="module")
+def warm_start(random_model_dir, tmp_path_factory):
+    """A checkpoint at iteration 0 whose policy adapters are far from zero (as ``scripts/sft.py`` saves one): its path
+    and its adapters' weights."""
+    run = tmp_path_factory.mktemp("warm")
+    runner = build_runner(config(random_model_dir, run))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in runner.team.model.named_parameters():
+            if "lora_B" in name and adapter_of(name) in runner.team.policy_adapters:
+                p.normal_(std=0.3)
+    runner.config.algo.kl_reference = "auto"  # as scripts/sft.py writes it: resolved by the run that loads it
+    path = runner.save(0)
+    return path, {a: lora(runner.team, a) for a in runner.team.policy_adapters}
+
+
+def one_update(random_model_dir, run, load_path, **algo):
+    cfg = config(random_model_dir, run, kl_coef=0.5, **algo)
+    cfg.runner.load_path = str(load_path)
+    runner = build_runner(cfg)
+    runner.restore(load_path)
+    buffer, _ = runner.collect(0)
+    runner.trainer.compute_advantages(buffer)
+    return runner, buffer
+
+
+def test_initial_reference_has_zero_kl_at_the_start_and_base_does_not(random_model_dir, warm_start, tmp_path):
+    path, _ = warm_start
+    kls = {}
+    for reference in ("base", "initial", "auto"):
+        runner, buffer = one_update(random_model_dir, tmp_path / reference, path, kl_reference=reference)
+        assert runner.config.algo.kl_reference == ("initial" if reference == "auto" else reference)
+        metrics = runner.trainer.update(buffer, 0)  # one epoch, one minibatch: the KL logged is before the step
+        kls[reference] = [v for k, v in metrics.items() if k.endswith("/kl_to_reference")]
+        assert len(kls[reference]) == runner.team.n_agents
+    assert all(kl > 1e-3 for kl in kls["base"]), kls
+    assert all(abs(kl) < 1e-6 for kl in kls["initial"] + kls["auto"]), kls
+
+
+def test_reference_adapters_are_frozen_copies_and_only_the_policies_train(random_model_dir, warm_start, tmp_path):
+    path, loaded = warm_start
+    runner, buffer = one_update(random_model_dir, tmp_path / "run", path, kl_reference="initial")
+    team, trainer = runner.team, runner.trainer
+    assert set(team.reference_adapters) == set(team.policy_adapters)
+    for adapter, reference in team.reference_adapters.items():
+        for (name, value), (ref_name, ref_value) in zip(sorted(loaded[adapter].items()), sorted(lora(team, reference).items())):
+            assert name.replace(f".{adapter}.", f".{reference}.") == ref_name
+            assert torch.equal(value, ref_value), ref_name
+    in_optimizers = {id(p) for opt in [*trainer.policy_optimizers.values(), *trainer.critic_optimizers.values()] for g in opt.param_groups for p in g["params"]}
+    references = {r: lora(team, r) for r in team.reference_adapters.values()}
+    assert not any(id(p) in in_optimizers for r in references for p in team.adapter_parameters(r))
+    policies = {a: lora(team, a) for a in team.policy_adapters}
+    trainer.update(buffer, 0)
+    trainer.update(buffer, 1)
+    for reference, before in references.items():
+        after = lora(team, reference)
+        assert all(torch.equal(before[n], after[n]) for n in before), f"{reference} moved"
+    for adapter, before in policies.items():
+        after = lora(team, adapter)
+        assert any(not torch.equal(before[n], after[n]) for n in before), f"{adapter} did not train"
+    assert not any(p.requires_grad for r in references for p in team.adapter_parameters(r))
+
+
+def test_a_resumed_run_keeps_its_reference(random_model_dir, warm_start, tmp_path):
+    """The checkpoint records the resolved reference and holds the frozen adapters: a resume (config from the
+    checkpoint, as the command line merges it) keeps the warm start's adapters as reference, not the trained ones."""
+    path, loaded = warm_start
+    runner, buffer = one_update(random_model_dir, tmp_path / "run", path)
+    runner.trainer.update(buffer, 0)
+    saved = runner.save(1)
+    assert json.loads((saved / "config.json").read_text())["algo"]["kl_reference"] == "initial"
+    resumed_config = TrainConfig.from_dict(json.loads((saved / "config.json").read_text()))
+    resumed_config.runner.load_path = str(saved)
+    resumed_config.runner.output_dir = str(tmp_path / "resumed")
+    resumed = build_runner(resumed_config)
+    resumed.restore(saved)
+    for adapter, reference in resumed.team.reference_adapters.items():
+        ref = lora(resumed.team, reference)
+        assert all(torch.equal(value, ref[n.replace(f".{adapter}.", f".{reference}.")]) for n, value in loaded[adapter].items())
+        assert lora(resumed.team, adapter).keys() and any(
+            not torch.equal(value, lora(resumed.team, adapter)[n]) for n, value in loaded[adapter].items()
+        ), "the policy should have trained away from the warm start"
+
+    # a run that started from the base model keeps base when resumed
+    fresh = build_runner(config(random_model_dir, tmp_path / "fresh", kl_coef=0.5))
+    assert fresh.config.algo.kl_reference == "base" and not fresh.team.reference_adapters
+    later = config(random_model_dir, tmp_path / "later")
+    later.runner.load_path = str(fresh.save(1))
+    assert resolve_kl_reference(later) == "base"
