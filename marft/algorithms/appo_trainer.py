@@ -44,10 +44,11 @@ class APPOTrainer:
     """Owns the optimizers and runs one PPO update per rollout batch.
 
     With several processes (``dist``), each holds its share of the rollout batch (shares may differ in size,
-    down to none) and every optimizer step equals the single-process step on the union of the shares, rank 0's
-    rows first: rank 0 draws one permutation of the union's rows per epoch and shares it, the union is split
-    into ``num_mini_batch`` minibatches (as many on every process, whatever its share), each process steps
-    with its own rows of minibatch k (possibly none), its chunks weighted by the union's loss units.
+    down to none) and step k uses the union of the processes' k-th minibatches, its chunks weighted by that
+    union's loss units. Equal shares: each process shuffles its own rows. Unequal shares: rank 0 draws one
+    permutation of the union's rows (rank 0's first) per epoch and shares it, the union is split into
+    ``num_mini_batch`` minibatches (as many on every process, whatever its share) and each process steps with its
+    own rows of minibatch k (possibly none), so every step equals the single-process step on the union.
 
     An adapter (or critic) with no rows on any process is not updated at all (no optimizer step, so neither its
     weights nor its optimizer state move) and the skip is counted (``counters/skipped_updates/<adapter>``)."""
@@ -267,30 +268,37 @@ class APPOTrainer:
             self.counters["out_of_topk_tokens"] = out_of_topk + int(counted)
         return metrics
 
-    def _row_share(self, samples: dict[str, torch.Tensor]) -> tuple[int, int]:
-        """``(offset, total)``: where this process's rows start in the union of all processes' rows (rank 0's
-        first) and how many rows the union has (one all-reduce; ``(0, n)`` with one process)."""
+    def _row_share(self, samples: dict[str, torch.Tensor]) -> tuple[int, int, bool]:
+        """``(offset, total, equal)``: where this process's rows start in the union of all processes' rows (rank 0's
+        first), how many rows the union has, and whether every process holds as many (one all-reduce;
+        ``(0, n, True)`` with one process)."""
         n_samples = samples["prompt_ids"].shape[0]
         counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
-        return int(sum(counts[: self.dist.rank])), int(sum(counts))
+        return int(sum(counts[: self.dist.rank])), int(sum(counts)), len(set(counts)) == 1
 
     def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
         units and the reply tokens (the reference KL's units) of each minibatch summed over processes.
         Returns ``[(chunks, units, kl_units)]``.
 
-        The permutation is of the union of all processes' rows (drawn by rank 0, :meth:`Distributed.permutation`),
-        cut into ``num_mini_batch`` minibatches of ``ceil(total / num_mini_batch)`` rows; each process keeps its own
-        rows of each, so every process runs as many minibatches (its own part possibly empty: no chunk) and the
-        union of the processes' k-th minibatches is the single-process k-th minibatch on the union. A minibatch's
+        When every process holds as many rows, each shuffles its own and cuts them into ``num_mini_batch``
+        minibatches (so every process runs as many, and seeded runs draw their random numbers as they always did).
+        When the shares differ, the permutation is of the union of all processes' rows (drawn by rank 0,
+        :meth:`Distributed.permutation`), cut into ``num_mini_batch`` minibatches of ``ceil(total / num_mini_batch)``
+        rows; each process keeps its own rows of each, so every process runs as many minibatches (its own part
+        possibly empty: no chunk) and the union of the processes' k-th minibatches is the single-process k-th
+        minibatch on the union. A minibatch's
         rows are sorted by length before it is cut into chunks: each chunk then holds rows of similar lengths and
         pays for less padding (the minibatch's gradient, their sum, is the same)."""
         n_samples = samples["prompt_ids"].shape[0]
-        offset, total = self._row_share(samples)
-        size = max(1, math.ceil(total / self.config.num_mini_batch))
-        minibatches = [
-            indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
-        ]
+        offset, total, equal = self._row_share(samples)
+        if equal:  # every process shuffles its own rows: as many minibatches everywhere, no broadcast
+            minibatches = list(torch.randperm(n_samples).split(max(1, math.ceil(n_samples / self.config.num_mini_batch))))
+        else:
+            size = max(1, math.ceil(total / self.config.num_mini_batch))
+            minibatches = [
+                indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
+            ]
         if chunks_per_minibatch > 1:
             lengths = samples["prompt_mask"].sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
             if "response_mask" in samples:
