@@ -200,7 +200,7 @@ def test_a_resume_with_another_rollout_size_counts_the_schedule_in_env_steps(ran
     4 env steps collected: iteration 2 ends at 8 (agent 0), iteration 3 at 12 (agent 1). Before, both were counted
     as if every past iteration had had 4 envs: 3 iterations in all (12 // 4) and agent 1 at iteration 2 (issue 30)."""
     run = tmp_path / "run"
-    assert main(flags(random_model_dir, 2, run, "--agent_iteration_interval", "4", "--save_interval", "1")) == 0
+    assert main(flags(random_model_dir, 2, run, "--agent_iteration_interval", "4", "--save_interval", "1", "--keep_checkpoints", "0")) == 0
     assert main(["--load_path", str(run), "--n_rollout_threads", "4", "--num_env_steps", "12"]) == 0
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["steps_1", "steps_2", "steps_3", "steps_4"]
