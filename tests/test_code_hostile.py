@@ -19,7 +19,7 @@ import pytest
 
 from marft.envs.code import SandboxLimits, run_tests
 from marft.envs.code import env as code_env
-from marft.envs.code.sandbox import MAX_SLOTS, SLOT_UID_BASE, is_dead, process_statuses
+from test_code_sandbox import files_owned_by_sandbox, sandbox_processes
 
 ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")
@@ -28,11 +28,6 @@ FAST = SandboxLimits(timeout_s=1.5, memory_mb=512, startup_s=30)
 
 ADD_CHECK = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(-1, 1) == 0\n"
 ADD_CALLS = [{"call": "add(1, 2)", "expected": "3"}, {"call": "add(5, 5)", "expected": "10"}]
-
-
-def sandbox_processes() -> list[str]:
-    return [f"{pid}:{fields['Name']}" for pid, fields in process_statuses()
-            if SLOT_UID_BASE <= int(fields["Uid"].split()[0]) < SLOT_UID_BASE + MAX_SLOTS and not is_dead(fields)]
 
 
 def sysv_objects() -> set[str]:
@@ -53,19 +48,6 @@ def cgroup_members() -> list[str]:
     return found
 
 
-def sandbox_files(*folders: str) -> list[str]:
-    found = []
-    for folder in folders:
-        for entry in os.scandir(folder) if os.path.isdir(folder) else []:
-            try:
-                uid = entry.stat(follow_symlinks=False).st_uid
-            except OSError:
-                continue
-            if SLOT_UID_BASE <= uid < SLOT_UID_BASE + MAX_SLOTS:
-                found.append(entry.path)
-    return found
-
-
 @pytest.fixture
 def contained():
     """After the test: no sandbox process, no file of a sandbox uid in shared folders, no new SysV object."""
@@ -75,7 +57,7 @@ def contained():
     while sandbox_processes() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sandbox_processes() == [] and cgroup_members() == []
-    assert sandbox_files("/tmp", "/var/tmp", "/dev/shm", os.getcwd()) == []
+    assert files_owned_by_sandbox("/tmp", "/var/tmp", "/dev/shm", os.getcwd()) == []
     assert sysv_objects() - ipc_before == set()
 
 
