@@ -121,7 +121,7 @@ def test_bad_workflow_profiles_fail_with_one_line(tmp_path, entries, message):
 
 
 def test_bad_workflow_flags_fail_before_anything_loads():
-    with pytest.raises(ValueError, match="--max_turns must be at least 1"):
+    with pytest.raises(ValueError, match="--max_turns must be >= 1"):
         EnvConfig(max_turns=0)
     with pytest.raises(ValueError, match="--workflow must be one of"):
         EnvConfig(workflow="tree")
