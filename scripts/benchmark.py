@@ -99,6 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_mini_batch", type=int, default=1)
     p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
     p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
+    p.add_argument("--max_chunk_tokens", type=int, default=None, help=field_docs(AlgoConfig)["max_chunk_tokens"])
     p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
     p.add_argument("--generation_backend", default=ModelConfig.generation_backend, choices=list(CHOICES["generation_backend"]), help=field_docs(ModelConfig)["generation_backend"])
     p.add_argument("--merge_lora_in_rollout", type=parse_bool, default=ModelConfig.merge_lora_in_rollout, help=field_docs(ModelConfig)["merge_lora_in_rollout"])
@@ -189,7 +190,7 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
         algo=AlgoConfig(
             algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
             num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
-            target_kl=args.target_kl, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
+            target_kl=args.target_kl, max_chunk_tokens=args.max_chunk_tokens, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
             group_size=args.group_size, kl_coef=args.kl_coef, kl_reference=args.kl_reference, credit_assignment=args.credit_assignment,
             credit_discount=args.credit_discount, clip_param=args.clip_param, clip_param_high=args.clip_param_high,
             target_entropy=args.target_entropy, entropy_coef_step=args.entropy_coef_step,

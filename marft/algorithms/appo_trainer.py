@@ -299,7 +299,8 @@ class APPOTrainer:
             minibatches = [
                 indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
             ]
-        if chunks_per_minibatch > 1:
+        budget = self.config.max_chunk_tokens
+        if chunks_per_minibatch > 1 or budget is not None:
             lengths = samples["prompt_mask"].sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
             if "response_mask" in samples:
                 lengths = lengths + samples["response_mask"].sum(-1)
@@ -312,9 +313,36 @@ class APPOTrainer:
         units = counts[: len(minibatches)]
         kl_units = counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
         return [
-            ([chunk for chunk in indices.chunk(chunks_per_minibatch) if len(chunk)], max(u, 1.0), max(k, 1.0))
+            (
+                [
+                    part
+                    for chunk in indices.chunk(chunks_per_minibatch)
+                    if len(chunk)
+                    for part in (self._token_budget_split(samples, chunk, budget) if budget is not None else [chunk])
+                ],
+                max(u, 1.0),
+                max(k, 1.0),
+            )
             for indices, u, k in zip(minibatches, units, kl_units)
         ]
+
+    @staticmethod
+    def _token_budget_split(samples: dict[str, torch.Tensor], chunk: torch.Tensor, budget: int) -> list[torch.Tensor]:
+        """Cut ``chunk`` (row indices, in order) into consecutive parts whose padded tokens, as :func:`trim_batch`
+        leaves them (rows x longest prompt + rows x longest reply), stay within ``budget``; a row longer than
+        the budget on its own is a part by itself. The parts' losses keep their weights (each part's units over
+        the minibatch's), so the minibatch's gradient is the same."""
+        prompt = samples["prompt_mask"][chunk].sum(-1).tolist()  # (n,) real prompt tokens per row
+        reply = samples["response_mask"][chunk].sum(-1).tolist() if "response_mask" in samples else [0] * len(prompt)
+        parts, start, longest_prompt, longest_reply = [], 0, 0, 0
+        for i, (p, r) in enumerate(zip(prompt, reply)):
+            wider_prompt, wider_reply = max(longest_prompt, p), max(longest_reply, r)
+            if i > start and (i - start + 1) * (wider_prompt + wider_reply) > budget:
+                parts.append(chunk[start:i])
+                start, wider_prompt, wider_reply = i, p, r
+            longest_prompt, longest_reply = wider_prompt, wider_reply
+        parts.append(chunk[start:])
+        return parts
 
     def _skip_update(self, name: str) -> dict[str, float]:
         """Count and log an update of ``name`` (an adapter or critic) skipped because no process has a row of it
