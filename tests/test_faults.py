@@ -231,6 +231,6 @@ def test_out_of_memory_names_batch_sizes_and_flags(random_model_dir, tmp_path, m
         train(cfg)
     message = str(error.value)
     for expected in ("iteration 1", "2 turns per agent", "4 for the critic", "minibatch 1 (--num_mini_batch 2)",
-                     "--gradient_cp_steps 1", "--max_new_tokens 6", "Tried to allocate 2.00 GiB"):
+                     "--gradient_cp_steps 1", "--max_chunk_tokens", "--max_new_tokens 6", "Tried to allocate 2.00 GiB"):
         assert expected in message, (expected, message)
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())
