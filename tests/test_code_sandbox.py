@@ -286,3 +286,24 @@ def test_limits_are_checked():
         SandboxLimits(timeout_s=0)
     with pytest.raises(ValueError, match="tests must"):
         run_tests("print(1)", [{"input": "1"}])
+
+
+def test_a_dead_process_still_counted_raises_the_cap_by_as_many(tmp_path):
+    # A zombie left in the slot's pids cgroup (its driver killed, the host's init not yet reaping) cannot run: the
+    # next program still gets its full process cap.
+    from marft.envs.code.sandbox import Cgroups
+
+    memory, pids = tmp_path / "memory", tmp_path / "pids"
+    memory.mkdir()
+    pids.mkdir()
+    (pids / "pids.current").write_text("3\n")
+    (pids / "cgroup.procs").write_text("")
+    groups = Cgroups.__new__(Cgroups)
+    groups.memory, groups.pids, groups.version, groups.cpu = memory, pids, 1, None
+    groups.procs = [str(pids / "cgroup.procs")]
+    groups.set_limits(256 << 20, processes=16)
+    assert (pids / "pids.max").read_text() == "19"
+    (pids / "pids.current").write_text("2\n")
+    (pids / "cgroup.procs").write_text("4242\n4243\n")  # live members are not stale
+    groups.set_limits(256 << 20, processes=16)
+    assert (pids / "pids.max").read_text() == "16"

@@ -510,10 +510,14 @@ def start_candidate(job, req_fd, resp_fd):
     elif libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
         done["network"] = True
     job["_done"] = done
+    pid1 = []  # the SIGTERM of Driver.close kills PID 1 first, so that this process reaps it (see Driver.close)
+    signal.signal(signal.SIGTERM, lambda *_: os.kill(pid1[0], signal.SIGKILL) if pid1 else os._exit(128 + signal.SIGTERM))
     pid = os.fork()
     if pid:
+        pid1.append(pid)
         _, status = os.waitpid(pid, 0)
         os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     log = [log_fd]  # closed by ``serve`` before any program code runs (the program must not write the grader's log)
     try:
@@ -698,6 +702,10 @@ class Lost(Exception):
         self.status = status
 
 
+CLOSE_GRACE_S = 2.0
+"""How long :meth:`Driver.close` waits for a candidate's outer process to reap PID 1 before SIGKILLing it."""
+
+
 class Driver:
     """Starts candidates and exchanges requests and answers with the current one."""
 
@@ -747,9 +755,19 @@ class Driver:
             self.isolated = {name: layers.get(name) is True for name in LAYERS}
 
     def close(self):
+        """End the candidate. SIGTERM asks its outer process (:func:`start_candidate`) to kill PID 1 and reap it;
+        SIGKILL (after ``CLOSE_GRACE_S``) is the fallback. Killing the outer process first would leave PID 1 to the
+        host's init, whose reaping can lag by seconds: a zombie meanwhile still counts against the cgroup's
+        process cap of the slot's next program (one per program: the next ones failed to start)."""
         if self.pid is not None:
             try:
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, signal.SIGTERM)
+                pidfd = os.pidfd_open(self.pid)
+                try:
+                    if not select.select([pidfd], [], [], CLOSE_GRACE_S)[0]:
+                        os.kill(self.pid, signal.SIGKILL)
+                finally:
+                    os.close(pidfd)
             except ProcessLookupError:
                 pass
             self._reap()

@@ -252,7 +252,14 @@ class Cgroups:
         return bool(self.procs)
 
     def set_limits(self, memory_bytes: int, processes: int, cpus: float = 1.0) -> None:
-        """Caps for the next run (the program's processes and their files in tmpfs together)."""
+        """Caps for the next run (the program's processes and their files in tmpfs together). Called after
+        :meth:`empty`: a process still counted then is a zombie of the last run waiting for the host's init (its
+        driver was killed, so nobody of ours reaps it); it cannot run, and the cap is raised by as many so that the
+        program still gets ``processes`` (a dead one must not fail the next program)."""
+        stale = self.stale_processes()
+        if stale:
+            logger.warning("sandbox cgroup %s still counts %d dead process(es) of the last run; cap raised by as many", self.pids, stale)
+        processes += stale
         if self.version == 1:
             files = [(self.memory / "memory.limit_in_bytes", memory_bytes), (self.memory / "memory.memsw.limit_in_bytes", memory_bytes)]
             for _ in range(2):  # memsw must stay >= limit: one order works when growing, the other when shrinking
@@ -274,6 +281,13 @@ class Cgroups:
             (self.pids / "pids.max").write_text(str(processes))
             if self.cpu is not None:
                 (self.cpu / "cpu.max").write_text(f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}")
+
+    def stale_processes(self) -> int:
+        """Processes the pids cgroup counts but does not list (zombies not yet reaped), 0 where unknown."""
+        try:
+            return max(0, int((self.pids / "pids.current").read_text()) - len(self.members()))
+        except (OSError, ValueError):
+            return 0
 
     def members(self) -> list[int]:
         pids = set()
