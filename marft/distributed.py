@@ -28,6 +28,7 @@ and nothing is wrapped, so the single-process path is the plain code path.
 
 from __future__ import annotations
 
+import atexit
 import os
 from contextlib import contextmanager
 from datetime import timedelta
@@ -177,6 +178,16 @@ def init_distributed(device: str, timeout_s: float) -> Distributed:
 
     cpu = device == "cpu" or not torch.cuda.is_available()
     state = PartialState(cpu=cpu, timeout=timedelta(seconds=timeout_s))
+    atexit.register(shutdown_distributed)  # whatever the entry point: a process group left to the interpreter's teardown aborts it
     if not cpu:
         torch.cuda.set_device(state.device)  # so --device cuda / auto means this process's local GPU
     return Distributed(rank=state.process_index, world_size=state.num_processes, local_rank=state.local_process_index)
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group, if one is up (idempotent). A process that exits with its gloo group alive can
+    die in ``std::terminate`` while the interpreter tears down (SIGABRT after a finished run: seen on a resumed
+    2-process run here; pytorch#190489), so :func:`marft.launch.main` calls this when training ends and
+    :func:`init_distributed` registers it to run at exit."""
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()

@@ -295,6 +295,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (OSError, ValueError) as error:  # what only the loaded model can tell (e.g. --lora_target_modules it lacks)
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.BAD_INPUT
+    from marft.distributed import shutdown_distributed
+
     try:
         summary = run_training(runner)
     except Preempted as stop:
@@ -306,6 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (CheckpointError, TrainingStopped) as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.TRAINING_STOPPED
+    finally:
+        shutdown_distributed()  # every rank, however training ended
     if rank != 0:
         return ExitCode.OK
     print(
