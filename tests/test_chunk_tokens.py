@@ -42,6 +42,19 @@ def test_split_keeps_order_and_fits_the_budget():
     assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=10**6)] == [chunk.tolist()]
 
 
+def test_split_counts_the_longest_header_before_the_longest_rest():
+    """Rows of agents whose role headers differ run behind shared headers as [longest header][longest rest]: two rows
+    of 8 prompt tokens, one behind a 6-token header (rest 2), one behind a 2-token header (rest 6), take 2 x (6 + 6)
+    tokens together, not 2 x 8 (critic chunks of 4 agents ran to 3800 tokens on a budget of 3200)."""
+    P = 10
+    samples = {"prompt_mask": (torch.arange(P).flip(0) < torch.tensor([8, 8])[:, None]).long()}
+    samples["prompt_ids"] = samples["prompt_mask"] * 7
+    chunk, headers = torch.tensor([0, 1]), torch.tensor([6, 2])
+    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20)] == [[0, 1]]
+    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20, header_lengths=headers)] == [[0], [1]]
+    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=24, header_lengths=headers)] == [[0, 1]]
+
+
 @pytest.mark.parametrize("algorithm", sorted(TRAINERS))
 def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, algorithm):
     """The policy's and the critic's first-step gradients are the same (allclose) with no budget (one chunk) and

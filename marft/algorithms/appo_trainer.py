@@ -318,7 +318,7 @@ class APPOTrainer:
                     part
                     for chunk in indices.chunk(chunks_per_minibatch)
                     if len(chunk)
-                    for part in (self._token_budget_split(samples, chunk, budget) if budget is not None else [chunk])
+                    for part in (self._token_budget_split(samples, chunk, budget, self._header_lengths(samples)) if budget is not None else [chunk])
                 ],
                 max(u, 1.0),
                 max(k, 1.0),
@@ -326,21 +326,35 @@ class APPOTrainer:
             for indices, u, k in zip(minibatches, units, kl_units)
         ]
 
+    def _header_lengths(self, samples: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """``(n,)`` each row's role-header tokens when the forward shares the headers (rows of several agents are
+        then laid out as ``[longest header][longest rest]``), else None."""
+        headers = self.team.headers
+        if "agent" not in samples or not headers.sharable:
+            return None
+        lengths = torch.tensor([len(ids) for ids in headers.header_ids])  # (n_agents,)
+        return lengths[samples["agent"].long()]
+
     @staticmethod
-    def _token_budget_split(samples: dict[str, torch.Tensor], chunk: torch.Tensor, budget: int) -> list[torch.Tensor]:
-        """Cut ``chunk`` (row indices, in order) into consecutive parts whose padded tokens, as :func:`trim_batch`
-        leaves them (rows x longest prompt + rows x longest reply), stay within ``budget``; a row longer than
-        the budget on its own is a part by itself. The parts' losses keep their weights (each part's units over
-        the minibatch's), so the minibatch's gradient is the same."""
+    def _token_budget_split(
+        samples: dict[str, torch.Tensor], chunk: torch.Tensor, budget: int, header_lengths: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Cut ``chunk`` (row indices, in order) into consecutive parts whose padded tokens stay within ``budget``;
+        a row longer than the budget on its own is a part by itself. A part's forward is ``rows x (longest prompt +
+        longest reply)`` as :func:`trim_batch` leaves it, or, with ``header_lengths (n,)`` (rows behind shared role
+        headers of different lengths), ``rows x (longest header + longest prompt after its header + longest
+        reply)``. The parts' losses keep their weights (each part's units over the minibatch's), so the
+        minibatch's gradient is the same."""
         prompt = samples["prompt_mask"][chunk].sum(-1).tolist()  # (n,) real prompt tokens per row
         reply = samples["response_mask"][chunk].sum(-1).tolist() if "response_mask" in samples else [0] * len(prompt)
-        parts, start, longest_prompt, longest_reply = [], 0, 0, 0
-        for i, (p, r) in enumerate(zip(prompt, reply)):
-            wider_prompt, wider_reply = max(longest_prompt, p), max(longest_reply, r)
-            if i > start and (i - start + 1) * (wider_prompt + wider_reply) > budget:
+        header = header_lengths[chunk].tolist() if header_lengths is not None else [0] * len(prompt)
+        parts, start, widest = [], 0, (0, 0, 0)
+        for i, row in enumerate(zip(header, (p - h for p, h in zip(prompt, header)), reply)):
+            wider = tuple(max(a, b) for a, b in zip(widest, row))  # (longest header, longest rest, longest reply)
+            if i > start and (i - start + 1) * sum(wider) > budget:
                 parts.append(chunk[start:i])
-                start, wider_prompt, wider_reply = i, p, r
-            longest_prompt, longest_reply = wider_prompt, wider_reply
+                start, wider = i, row
+            widest = wider
         parts.append(chunk[start:])
         return parts
 
