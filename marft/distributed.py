@@ -186,8 +186,7 @@ def init_distributed(device: str, timeout_s: float) -> Distributed:
 
 def shutdown_distributed() -> None:
     """Destroy the process group, if one is up (idempotent). A process that exits with its gloo group alive can
-    die in ``std::terminate`` while the interpreter tears down (SIGABRT after a finished run: seen on a resumed
-    2-process run here; pytorch#190489), so :func:`marft.launch.main` calls this when training ends and
-    :func:`init_distributed` registers it to run at exit."""
+    die in ``std::terminate`` (SIGABRT) while the interpreter tears down (pytorch#190489), so
+    :func:`marft.launch.main` calls this when training ends and :func:`init_distributed` registers it at exit."""
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()

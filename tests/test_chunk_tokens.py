@@ -45,7 +45,7 @@ def test_split_keeps_order_and_fits_the_budget():
 def test_split_counts_the_longest_header_before_the_longest_rest():
     """Rows of agents whose role headers differ run behind shared headers as [longest header][longest rest]: two rows
     of 8 prompt tokens, one behind a 6-token header (rest 2), one behind a 2-token header (rest 6), take 2 x (6 + 6)
-    tokens together, not 2 x 8 (critic chunks of 4 agents ran to 3800 tokens on a budget of 3200)."""
+    tokens together, not 2 x 8 (the critic's chunks mix agents)."""
     P = 10
     samples = {"prompt_mask": (torch.arange(P).flip(0) < torch.tensor([8, 8])[:, None]).long()}
     samples["prompt_ids"] = samples["prompt_mask"] * 7

@@ -300,6 +300,7 @@ class APPOTrainer:
                 indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
             ]
         budget = self.config.max_chunk_tokens
+        header_lengths = self._header_lengths(samples) if budget is not None else None
         if chunks_per_minibatch > 1 or budget is not None:
             lengths = samples["prompt_mask"].sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
             if "response_mask" in samples:
@@ -318,7 +319,7 @@ class APPOTrainer:
                     part
                     for chunk in indices.chunk(chunks_per_minibatch)
                     if len(chunk)
-                    for part in (self._token_budget_split(samples, chunk, budget, self._header_lengths(samples)) if budget is not None else [chunk])
+                    for part in (self._token_budget_split(samples, chunk, budget, header_lengths) if budget is not None else [chunk])
                 ],
                 max(u, 1.0),
                 max(k, 1.0),
