@@ -14,7 +14,16 @@ returns the run summary; the command line (``python -m marft.launch``, ``scripts
 """
 
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
-from marft.envs import make, register
-from marft.launch import train
 
 __all__ = ["AlgoConfig", "EnvConfig", "ModelConfig", "RunnerConfig", "TrainConfig", "make", "register", "train"]
+
+_LAZY = {"make": "marft.envs", "register": "marft.envs", "train": "marft.launch"}
+"""Names imported on first use, so ``import marft`` (and ``import marft.config``) load no torch."""
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'marft' has no attribute {name!r}")

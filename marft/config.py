@@ -21,14 +21,11 @@ import textwrap
 from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
 
-from marft.agents.dtypes import DTYPES
-from marft.agents.generation import GENERATION_BACKENDS
-from marft.agents.prompts import CHAT_TEMPLATE_MODES
-from marft.algorithms import TRAINERS
-from marft.algorithms.advantages import CREDIT_MODES
-from marft.algorithms.losses import NORMALIZATION_MODES
+from marft.choices import (
+    CHAT_TEMPLATE_MODES, CREDIT_MODES, CRITIC_MODES, DTYPES, GENERATION_BACKENDS, KL_REFERENCES, NORMALIZATION_MODES, TRAINERS,
+    WORKFLOWS,
+)
 from marft.validation import check_fields, rule_text
-from marft.workflows import WORKFLOWS
 
 
 @dataclass
@@ -315,18 +312,6 @@ class TrainConfig:
 
 SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner": RunnerConfig}
 
-CRITIC_MODES = {
-    "shared": "one centralized critic for every agent",
-    "per_agent": "one critic adapter and value head per agent",
-}
-"""``--critic_mode`` → what it builds (the one table of modes)."""
-
-KL_REFERENCES = {
-    "base": "the base model, every adapter off",
-    "initial": "each policy adapter as training started, kept frozen (a copy of the adapter)",
-    "auto": "initial when training starts from --load_path (a checkpoint or warm start), base otherwise",
-}
-"""``--kl_reference`` → the KL penalty's reference policy (the one table of references)."""
 
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
                             "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
@@ -387,18 +372,27 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def build_parser(description: str = "Train an LLM agent team with multi-agent PPO.", with_defaults: bool = True,
-                 sections: dict | None = None) -> argparse.ArgumentParser:
+                 sections: dict | None = None, parser: argparse.ArgumentParser | None = None, defaults: dict | None = None,
+                 exclude: tuple[str, ...] = (), flat: bool = False) -> argparse.ArgumentParser:
     """One flag per config field, grouped by section (default :data:`SECTIONS`), help text from the field
     docstrings, allowed values from :data:`CHOICES`. ``with_defaults=False`` leaves flags that are not given
-    out of the namespace (how :func:`parse_config` tells which flags were given)."""
-    parser = OneLineErrorParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    out of the namespace (how :func:`parse_config` tells which flags were given).
+
+    For other commands built on the config (the benchmark): ``parser`` receives the flags (default: a new one),
+    ``defaults`` replaces some fields' defaults, ``exclude`` leaves fields out, and ``flat`` names each value by
+    its field alone (``args.lr``) rather than by section and field (``"algo.lr"``)."""
+    parser = parser or OneLineErrorParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    defaults = defaults or {}
     for section, cls in (sections or SECTIONS).items():
         group = parser.add_argument_group(section, cls.__doc__)
         docs = field_docs(cls)
         hints = get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            default = f.default if with_defaults else argparse.SUPPRESS
-            kwargs = dict(dest=f"{section}.{f.name}", type=_flag_type(hints[f.name]), default=default, help=docs.get(f.name, "") + rule_text(f.name))
+            if f.name in exclude:
+                continue
+            default = defaults.get(f.name, f.default) if with_defaults else argparse.SUPPRESS
+            kwargs = dict(dest=f.name if flat else f"{section}.{f.name}", type=_flag_type(hints[f.name]), default=default,
+                          help=docs.get(f.name, "") + rule_text(f.name))
             if f.name in CHOICES:
                 kwargs["choices"] = list(CHOICES[f.name])
             if hints[f.name] is bool:

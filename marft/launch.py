@@ -34,7 +34,7 @@ def default_run_dir(config: TrainConfig) -> Path:
     if config.runner.output_dir:
         return Path(config.runner.output_dir)
     if config.runner.load_path:
-        from marft.runner.shared.checkpoint import find_checkpoint
+        from marft.training.checkpoint import find_checkpoint
 
         checkpoint = find_checkpoint(config.runner.load_path)
         if checkpoint.parent.name == "checkpoints":
@@ -43,15 +43,12 @@ def default_run_dir(config: TrainConfig) -> Path:
 
 
 def build_env_factories(config: TrainConfig, profile):
-    """``(make_train_env, make_eval_env)``; loads the math datasets once so bad data fails early.
-
-    Environments other than ``math`` are built as ``EnvClass(split="train"|"test", profile=<list of AgentSpec>,
-    horizon=--horizon)``, plus ``dataset_path=`` when ``--dataset_path`` (or, for evaluation,
-    ``--eval_dataset_path``) is given; ``--env_name`` may be a registered name, ``"package.module:Class"`` or an
-    installed entry point (:func:`marft.envs.resolve`)."""
-    from marft.envs import make, resolve
-    from marft.envs.math import load_problems
-    from marft.workflows import workflow_for
+    """``(make_train_env, make_eval_env)``: every environment, the shipped ones included, is built as
+    ``EnvClass(split="train"|"test", profile=<list of AgentSpec>, horizon=--horizon)``, plus ``dataset_path=`` when
+    ``--dataset_path`` (or, for evaluation, ``--eval_dataset_path``) is given; ``--env_name`` may be a registered
+    name, ``"package.module:Class"`` or an installed entry point (:func:`marft.envs.resolve`)."""
+    from marft.envs import resolve
+    from marft.envs.workflows import workflow_for
 
     ec = config.env
     kwargs = dict(profile=profile, horizon=ec.horizon)
@@ -66,26 +63,18 @@ def build_env_factories(config: TrainConfig, profile):
             return env
         return make_env
 
-    if ec.env_name != "math":
-        env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
-        train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
-        eval_source = ec.eval_dataset_path or ec.dataset_path
-        eval_data = {} if eval_source is None else {"dataset_path": eval_source}
-        return playing(lambda: env_class(split="train", **train_data, **kwargs)), playing(lambda: env_class(split="test", **eval_data, **kwargs))
-    source = ec.dataset_path or "arithmetic"
-    train_problems = load_problems(source, split="train")
-    eval_problems = load_problems(ec.eval_dataset_path or source, split="test")
-    return (
-        playing(lambda: make("math", problems=train_problems, **kwargs)),
-        playing(lambda: make("math", problems=eval_problems, **kwargs)),
-    )
+    env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
+    train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
+    eval_source = ec.eval_dataset_path or ec.dataset_path
+    eval_data = {} if eval_source is None else {"dataset_path": eval_source}
+    return playing(lambda: env_class(split="train", **train_data, **kwargs)), playing(lambda: env_class(split="test", **eval_data, **kwargs))
 
 
 def validate(config: TrainConfig):
     """Check flags across sections, device, output folder, profile, model path, data and resume path; return
     ``(profile, make_train_env, make_eval_env)``. (Each flag alone was checked when the config was built:
     :mod:`marft.validation`.)"""
-    from marft.agents.loading import check_model_path
+    from marft.models.loading import check_model_path
     from marft.algorithms import trainer_class
     from marft.envs.profile import load_profile
     from marft.validation import check_device, check_output_dir
@@ -163,7 +152,7 @@ def check_work_left(config: TrainConfig) -> None:
         FileNotFoundError: ``--load_path`` holds no complete checkpoint.
         ValueError: the checkpoint already collected ``--num_env_steps`` (less than one iteration is left).
     """
-    from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state
+    from marft.training.checkpoint import find_checkpoint, read_trainer_state
 
     checkpoint = find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory's latest
     state = read_trainer_state(checkpoint)
@@ -185,7 +174,7 @@ def build_team(config: TrainConfig, profile, dist=None):
     The seed is set after loading, since building the embedded model draws random numbers: a first run and
     a cached run start alike. With several processes (``dist``), rank 0 builds the embedded model first,
     every process starts from rank 0's adapters, and each samples with its own seed."""
-    from marft.agents.loading import load_base_model
+    from marft.models.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.algorithms import make_trainer, trainer_class
     from marft.distributed import Distributed
@@ -212,7 +201,7 @@ def resolve_kl_reference(config: TrainConfig) -> str:
         return value
     if not config.runner.load_path:
         return "base"
-    from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
+    from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
 
     saved, state = read_checkpoint_meta(find_checkpoint(config.runner.load_path))
     saved_value = saved.get("algo", {}).get("kl_reference")
@@ -230,7 +219,7 @@ def build_runner(config: TrainConfig, validated=None):
     """
     from marft.distributed import init_distributed
     from marft.envs.vector import TextVectorEnv
-    from marft.runner.shared.runner import Runner
+    from marft.training.runner import Runner
 
     profile, make_train_env, make_eval_env = validated or validate(config)
     dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
@@ -251,7 +240,7 @@ def train(config: TrainConfig, validated=None) -> dict:
     run directory, last checkpoint, seconds). This is ``marft.train``, the Python API.
 
     With ``config.runner.load_path`` it resumes; unlike the command line, no value is taken from the
-    checkpoint's config (pass the config you want; :func:`marft.runner.shared.checkpoint.resume_config` merges).
+    checkpoint's config (pass the config you want; :func:`marft.training.checkpoint.resume_config` merges).
 
     Raises:
         ValueError / FileNotFoundError: a bad input (profile, model path, data, environment), before the model loads.
@@ -281,7 +270,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     config, given = parse_config(argv)
     try:
         if config.runner.load_path:
-            from marft.runner.shared.checkpoint import resume_config
+            from marft.training.checkpoint import resume_config
 
             config = resume_config(config, given)  # flags not given come from the checkpoint
         validated = validate(config)
@@ -321,7 +310,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    from marft.runner.shared.preemption import ignore_stop_signals
+    from marft.training.preemption import ignore_stop_signals
 
     code = main()
     ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit

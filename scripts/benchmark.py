@@ -42,6 +42,7 @@ takes ``--n_rollout_threads / P`` envs, and only rank 0 prints (its own timings)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -54,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from marft.config import CHOICES, AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig, field_docs, parse_bool
+from marft.config import SECTIONS, AlgoConfig, TrainConfig, build_parser
 
 QWEN25_05B_SHAPE = dict(
     hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -71,60 +72,27 @@ PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solve
 """The shipped profile used for each ``--n_agents``."""
 
 
+BENCHMARK_DEFAULTS = {
+    "env_name": None, "profile_path": None, "max_new_tokens": None, "n_rollout_threads": None, "num_env_steps": None,
+    "n_agents": 2, "context_window": 256, "device": "cpu", "experiment_name": "benchmark", "update_on_constant_rewards": None,
+}
+"""Where the benchmark's defaults differ from a training run's (:mod:`marft.config`); None: chosen by
+:func:`parse_args` from the bench, the env and the algorithm."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
+    """The benchmark's own flags, then every training flag of :mod:`marft.config` (its docstrings as help) with
+    :data:`BENCHMARK_DEFAULTS`; ``--model`` stands for ``--model_name_or_path``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
-    p.add_argument("--algorithm_name", default="APPO", choices=list(CHOICES["algorithm_name"]))
     p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape' "
                    "(default: marft-tiny-instruct, whose warm start knows the tags and code, with --workflow orchestrated or --env_name code; else marft-tiny)")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
-    p.add_argument("--n_agents", type=int, default=2, choices=sorted(PROFILES), help="team size (profile: see PROFILES)")
-    p.add_argument("--env_name", default=None, help="registered environment (default: relay_sum; route with --workflow orchestrated; code runs the generated f(x) tasks)")
-    p.add_argument("--workflow", default="auto", choices=list(CHOICES["workflow"]), help=field_docs(EnvConfig)["workflow"])
-    p.add_argument("--profile_path", default=None, help="agent profile (default: see PROFILES; route_orchestrated with --workflow orchestrated; reasoner_actor_code with --env_name code)")
-    p.add_argument("--max_turns", type=int, default=EnvConfig.max_turns, help=field_docs(EnvConfig)["max_turns"])
     p.add_argument("--sft_steps", type=int, default=0, help="learning: supervised warm-start steps of the adapters on the env's demonstrations before RL")
-    p.add_argument("--n_rollout_threads", type=int, default=None, help="parallel envs (default 16; learning with GRPO: "
-                   f"{GRPO_LEARNING_GROUPS} groups of --group_size, 32 at group size 4)")
-    p.add_argument("--episode_length", type=int, default=2, help="team steps per env per iteration")
-    p.add_argument("--num_env_steps", type=int, default=None, help="learning: env steps to train for (default 384 iterations of --n_rollout_threads x --episode_length, "
-                   "12288 at 16 x 2; 128 iterations with --env_name code)")
-    p.add_argument("--max_new_tokens", type=int, default=None, help="reply budget in tokens (default: 24 with --env_name code, a program's length; else 16)")
-    p.add_argument("--context_window", type=int, default=256)
-    p.add_argument("--horizon", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--critic_lr", type=float, default=1e-3)
-    p.add_argument("--ppo_epoch", type=int, default=2)
-    p.add_argument("--num_mini_batch", type=int, default=1)
-    p.add_argument("--agent_iteration_interval", type=int, default=0, help=field_docs(AlgoConfig)["agent_iteration_interval"])
-    p.add_argument("--target_kl", type=float, default=None, help="stop an agent's PPO epochs early above this KL")
-    p.add_argument("--max_chunk_tokens", type=int, default=None, help=field_docs(AlgoConfig)["max_chunk_tokens"])
-    p.add_argument("--critic_mode", default="shared", choices=list(CHOICES["critic_mode"]), help=field_docs(ModelConfig)["critic_mode"])
-    p.add_argument("--generation_backend", default=ModelConfig.generation_backend, choices=list(CHOICES["generation_backend"]), help=field_docs(ModelConfig)["generation_backend"])
-    p.add_argument("--merge_lora_in_rollout", type=parse_bool, default=ModelConfig.merge_lora_in_rollout, help=field_docs(ModelConfig)["merge_lora_in_rollout"])
-    p.add_argument("--unpadded_forward", type=parse_bool, default=ModelConfig.unpadded_forward, help=field_docs(ModelConfig)["unpadded_forward"])
-    p.add_argument("--chat_template", default=ModelConfig.chat_template, choices=list(CHOICES["chat_template"]), help=field_docs(ModelConfig)["chat_template"])
-    p.add_argument("--credit_assignment", default="env", choices=list(CHOICES["credit_assignment"]), help=field_docs(AlgoConfig)["credit_assignment"])
-    p.add_argument("--credit_discount", type=float, default=AlgoConfig.credit_discount)
-    p.add_argument("--group_size", type=int, default=AlgoConfig.group_size, help=field_docs(AlgoConfig)["group_size"])
-    p.add_argument("--kl_coef", type=float, default=0.0, help=field_docs(AlgoConfig)["kl_coef"])
-    p.add_argument("--target_entropy", type=float, default=AlgoConfig.target_entropy, help=field_docs(AlgoConfig)["target_entropy"])
-    p.add_argument("--entropy_coef_step", type=float, default=AlgoConfig.entropy_coef_step, help=field_docs(AlgoConfig)["entropy_coef_step"])
-    p.add_argument("--clip_param", type=float, default=AlgoConfig.clip_param, help=field_docs(AlgoConfig)["clip_param"])
-    p.add_argument("--clip_param_high", type=float, default=AlgoConfig.clip_param_high, help=field_docs(AlgoConfig)["clip_param_high"])
-    p.add_argument("--temperature", type=float, default=ModelConfig.temperature, help=field_docs(ModelConfig)["temperature"])
-    p.add_argument("--kl_reference", default=AlgoConfig.kl_reference, choices=list(CHOICES["kl_reference"]), help=field_docs(AlgoConfig)["kl_reference"])
-    p.add_argument("--entropy_coef", type=float, default=0.0, help="weight of the entropy bonus (0.01 let the Reasoner's entropy drift up once success neared 0.95: seed 2 fell back to 0.86)")
-    p.add_argument("--normalization_mode", default="sum", choices=list(CHOICES["normalization_mode"]), help=field_docs(AlgoConfig)["normalization_mode"])
-    p.add_argument("--eval_interval", type=int, default=0, help="learning: also evaluate every this many iterations (0: before/after only)")
-    p.add_argument("--eval_episodes", type=int, default=200, help="learning: evaluation episodes before and after (each on the test and the train split)")
     p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, or auto")
-    p.add_argument("--dtype", default="float32", choices=list(CHOICES["dtype"]))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", default=None, help="run directory (default: a temporary one; learning: results/benchmark/<time>)")
+    build_parser(parser=p, defaults=BENCHMARK_DEFAULTS, exclude=("model_name_or_path",), flat=True)
     args = p.parse_args(argv)
     orchestrated = args.workflow == "orchestrated"
     args.env_name = args.env_name or ("route" if orchestrated else "relay_sum")
@@ -138,6 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.n_rollout_threads = GRPO_LEARNING_GROUPS * args.group_size if grpo_learning else 16
     if args.num_env_steps is None:
         args.num_env_steps = (128 if code else 384) * args.n_rollout_threads * args.episode_length
+    if args.update_on_constant_rewards is None:
+        args.update_on_constant_rewards = args.bench != "learning"  # timings: the policies are updated on every batch
+    if args.profile_path is None and args.n_agents not in PROFILES:
+        p.error(f"--n_agents {args.n_agents} has no shipped profile here ({sorted(PROFILES)}); pass --profile_path")
     return args
 
 
@@ -160,7 +132,7 @@ def build_shaped_model(path: str, shape: dict, dtype: str) -> str:
     which is fine for timing (the compute is that of the full vocabulary)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from marft.agents.dtypes import DTYPES
+    from marft.agents.dtypes import TORCH_DTYPES
     from marft.models.tiny import build_random_model
 
     build_random_model(path)  # the tokenizer (and a tiny model, replaced below)
@@ -168,7 +140,7 @@ def build_shaped_model(path: str, shape: dict, dtype: str) -> str:
     config = Qwen2Config(**shape, eos_token_id=tokenizer_config["eos_token_id"], pad_token_id=tokenizer_config["pad_token_id"])
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = Qwen2ForCausalLM(config).to(DTYPES[dtype])
+        model = Qwen2ForCausalLM(config).to(TORCH_DTYPES[dtype])
     model.save_pretrained(path)
     return path
 
@@ -178,30 +150,13 @@ def model_label(args) -> str:
 
 
 def make_config(args, run_dir: str | None) -> TrainConfig:
-    return TrainConfig(
-        model=ModelConfig(
-            model_name_or_path=model_path(args), profile_path=args.profile_path,
-            max_new_tokens=args.max_new_tokens, context_window=args.context_window,
-            device=args.device, dtype=args.dtype, critic_mode=args.critic_mode, chat_template=args.chat_template, generation_backend=args.generation_backend,
-            merge_lora_in_rollout=args.merge_lora_in_rollout, unpadded_forward=args.unpadded_forward,
-            temperature=args.temperature,
-        ),
-        env=EnvConfig(env_name=args.env_name, horizon=args.horizon, workflow=args.workflow, max_turns=args.max_turns),
-        algo=AlgoConfig(
-            algorithm_name=args.algorithm_name, lr=args.lr, critic_lr=args.critic_lr, ppo_epoch=args.ppo_epoch,
-            num_mini_batch=args.num_mini_batch, agent_iteration_interval=args.agent_iteration_interval,
-            target_kl=args.target_kl, max_chunk_tokens=args.max_chunk_tokens, entropy_coef=args.entropy_coef, normalization_mode=args.normalization_mode,
-            group_size=args.group_size, kl_coef=args.kl_coef, kl_reference=args.kl_reference, credit_assignment=args.credit_assignment,
-            credit_discount=args.credit_discount, clip_param=args.clip_param, clip_param_high=args.clip_param_high,
-            target_entropy=args.target_entropy, entropy_coef_step=args.entropy_coef_step,
-            update_on_constant_rewards=args.bench != "learning",  # timings: the policies are updated on every batch
-        ),
-        runner=RunnerConfig(
-            n_rollout_threads=args.n_rollout_threads, episode_length=args.episode_length, num_env_steps=args.num_env_steps,
-            seed=args.seed, output_dir=run_dir, experiment_name="benchmark", eval_episodes=args.eval_episodes,
-            eval_interval=args.eval_interval,
-        ),
-    )
+    """The training config of the benchmark's flags: every config field from ``args``, the model from :func:`model_path`."""
+    values = {section: {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if f.name != "model_name_or_path"}
+              for section, cls in SECTIONS.items()}
+    values["model"]["model_name_or_path"] = model_path(args)
+    values["runner"]["output_dir"] = run_dir
+    values["model"]["n_agents"] = None  # --n_agents picks a shipped profile (PROFILES); the profile says the team size
+    return TrainConfig.from_dict(values)
 
 
 def emit(result: dict) -> dict:
@@ -264,7 +219,7 @@ def route_calls(runner, args) -> dict:
     orchestrator reply calls the keeper of the asked shelf (0.5 is routing at random), read from the first and the
     last evaluation's transcripts (``transcripts/eval_<iteration>.jsonl``)."""
     from marft.envs.route import RouteEnv, asked_shelf
-    from marft.workflows import workflow_for
+    from marft.envs.workflows import workflow_for
 
     keepers = RouteEnv(profile=runner.team.profile).keepers  # keepers[k]: the agent who keeps shelf k
     parse = workflow_for(runner.team.profile, "orchestrated").parse
@@ -366,15 +321,15 @@ def synchronize(device: torch.device) -> None:
 def turns_of(buffer, device) -> list[tuple[int, torch.Tensor, torch.Tensor, int]]:
     """Every agent turn of a rollout as ``(agent, prompt_ids (E, P), prompt_mask (E, P), generated)``,
     where ``generated`` is how many tokens generate produced (the longest reply, EOS included)."""
-    from marft.runner.shared.buffer import trim_batch
+    from marft.types import TurnBatch
 
     T, E, N = buffer.shape
     turns = []
     for t in range(T):
         for agent in range(N):
-            batch = trim_batch({"prompt_ids": buffer.prompt_ids[t, :, agent], "prompt_mask": buffer.prompt_mask[t, :, agent]}, device)
+            batch = TurnBatch(prompt_ids=buffer.prompt_ids[t, :, agent], prompt_mask=buffer.prompt_mask[t, :, agent]).trimmed(device)
             generated = int(buffer.response_mask[t, :, agent].sum(-1).max())
-            turns.append((agent, batch["prompt_ids"], batch["prompt_mask"], max(generated, 1)))
+            turns.append((agent, batch.prompt_ids, batch.prompt_mask, max(generated, 1)))
     return turns
 
 
@@ -483,27 +438,26 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
     running its whole prompt. Returns the share of padding in its policy forwards."""
     from marft.agents.critic import CRITIC_ADAPTER
     from marft.agents.headers import position_ids_from_mask
-    from marft.runner.shared.buffer import trim_batch
 
     model = team.model
     decoder = model.get_base_model().get_decoder()
     samples = buffer.critic_samples(token_level)
     model.set_adapter(CRITIC_ADAPTER)
     for _ in range(config.ppo_epoch):
-        for idx in _plain_minibatches(samples["prompt_ids"].shape[0], config.num_mini_batch):
-            mb = trim_batch({k: v[idx] for k, v in samples.items()}, team.device)
+        for idx in _plain_minibatches(samples.prompt_ids.shape[0], config.num_mini_batch):
+            mb = samples.rows(idx).trimmed(team.device)
             if token_level:
-                L = mb["response_ids"].shape[1]
-                ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)  # (B, P + L)
-                mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1)  # (B, P + L)
+                L = mb.response_ids.shape[1]
+                ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)  # (B, P + L)
+                mask = torch.cat([mb.prompt_mask, mb.response_mask], 1)  # (B, P + L)
                 hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
                 values = team.critic.value_head(hidden[:, -L - 1 : -1].float()).squeeze(-1)  # (B, L)
-                loss = ((values - mb["token_returns"]) ** 2 * mb["response_mask"]).sum() / mb["response_mask"].sum()
+                loss = ((values - mb.token_returns) ** 2 * mb.response_mask).sum() / mb.response_mask.sum()
             else:
-                mask = mb["prompt_mask"]
-                hidden = decoder(input_ids=mb["prompt_ids"], attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
+                mask = mb.prompt_mask
+                hidden = decoder(input_ids=mb.prompt_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).last_hidden_state
                 values = team.critic.value_head(hidden[:, -1].float()).squeeze(-1)  # (B,)
-                loss = ((values - mb["returns"]) ** 2).mean()
+                loss = ((values - mb.returns) ** 2).mean()
             loss.backward()
             optimizers[CRITIC_ADAPTER].step()
             optimizers[CRITIC_ADAPTER].zero_grad(set_to_none=True)
@@ -513,16 +467,16 @@ def plain_update(team, config: AlgoConfig, buffer, token_level: bool, optimizers
         samples = buffer.agent_samples(agent, token_level)
         model.set_adapter(adapter)
         for _ in range(config.ppo_epoch):
-            for idx in _plain_minibatches(samples["prompt_ids"].shape[0], config.num_mini_batch):
-                mb = trim_batch({k: v[idx] for k, v in samples.items()}, team.device)
-                L = mb["response_ids"].shape[1]
-                ids = torch.cat([mb["prompt_ids"], mb["response_ids"]], 1)  # (B, P + L)
-                mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1)  # (B, P + L)
+            for idx in _plain_minibatches(samples.prompt_ids.shape[0], config.num_mini_batch):
+                mb = samples.rows(idx).trimmed(team.device)
+                L = mb.response_ids.shape[1]
+                ids = torch.cat([mb.prompt_ids, mb.response_ids], 1)  # (B, P + L)
+                mask = torch.cat([mb.prompt_mask, mb.response_mask], 1)  # (B, P + L)
                 positions, padding = positions + mask.numel(), padding + int((mask == 0).sum())
                 logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), logits_to_keep=L + 1).logits
-                logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["response_ids"].unsqueeze(-1)).squeeze(-1)  # (B, L)
-                weight = mb["token_advantages"] if token_level else mb["advantages"].unsqueeze(-1)
-                loss = -(logp * weight * mb["response_mask"]).sum() / mb["response_mask"].sum()
+                logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb.response_ids.unsqueeze(-1)).squeeze(-1)  # (B, L)
+                weight = mb.token_advantages if token_level else mb.advantages.unsqueeze(-1)
+                loss = -(logp * weight * mb.response_mask).sum() / mb.response_mask.sum()
                 loss.backward()
                 optimizers[adapter].step()
                 optimizers[adapter].zero_grad(set_to_none=True)

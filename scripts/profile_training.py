@@ -13,7 +13,7 @@ import sys
 from torch.profiler import ProfilerActivity, profile
 
 from marft.launch import main
-from marft.runner.shared.runner import Runner
+from marft.training.runner import Runner
 
 
 def profiled_main(argv: list[str]) -> int:

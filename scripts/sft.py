@@ -6,7 +6,7 @@ adapter on its own turns, and saves ``<run dir>/checkpoints/steps_0``; start RL 
 
 import sys
 
-from marft.sft import main
+from marft.cli.sft import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -89,7 +89,7 @@ def scripted_orchestrator(monkeypatch):
     """An orchestrator whose every reply is read as a call or ``<done/>`` by its checksum (a random model never
     writes the tags): 0 → the first specialist, 1 → the second, 2 → done. Deterministic in the reply, so
     different envs call different specialists at one moment and resumed runs replay alike."""
-    from marft.workflows import OrchestratedWorkflow
+    from marft.envs.workflows import OrchestratedWorkflow
 
     def parse(self, reply):
         pick = sum(map(ord, reply)) % 3

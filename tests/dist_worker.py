@@ -181,9 +181,9 @@ def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
         trainer.policy_optimizers = {a: torch.optim.SGD(team.adapter_parameters(a), lr=1.0) for a in team.policy_adapters}
         trainer.critic_optimizers = {c: torch.optim.SGD(team.critic.trainable_parameters(c), lr=1.0) for c in team.critic_adapters}
         for job, update, adapter, samples in jobs:
-            assert len(samples["prompt_ids"]) == 21, len(samples["prompt_ids"])
+            assert len(samples.prompt_ids) == 21, len(samples.prompt_ids)
             if first == 0:  # no process has a row
-                samples = {k: v[:0] for k, v in samples.items()}
+                samples = samples.rows(slice(0, 0))
             trainer.dist = SINGLE
             torch.manual_seed(1)
             update(samples, adapter) if job == "critic" else update(adapter, samples)
@@ -192,7 +192,7 @@ def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
             share = slice(0, first) if dist.rank == 0 else slice(first, None)
             trainer.dist = dist
             torch.manual_seed(1)
-            mine = {k: v[share] for k, v in samples.items()}
+            mine = samples.rows(share)
             update(mine, adapter) if job == "critic" else update(adapter, mine)
             got = trainable(team)
             results[f"{name}/{job}"] = {

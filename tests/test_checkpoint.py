@@ -25,7 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from marft.algorithms import TRAINERS
 import marft.envs
 from marft.faults import CheckpointError
-from marft.runner.shared.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from marft.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,7 +166,7 @@ def test_a_checkpoint_from_before_chat_templates_resumes_with_plain_prompts(trai
     """A checkpoint whose config has no ``chat_template`` was trained on plain transcripts: it resumes with
     ``none`` (an instruct model would otherwise switch to its chat template mid-run), unless the flag is given."""
     from marft.config import parse_config
-    from marft.runner.shared.checkpoint import MANIFEST, _write_manifest, resume_config
+    from marft.training.checkpoint import MANIFEST, _write_manifest, resume_config
 
     checkpoint = copy_run(trained_run, tmp_path) / "checkpoints" / f"steps_{N}"
     assert resume_config(*parse_config(["--load_path", str(checkpoint)])).model.chat_template == "auto"  # saved with the flag
@@ -232,7 +232,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import marft.runner.shared.checkpoint as checkpoint
+    import marft.training.checkpoint as checkpoint
     from marft.launch import main
 
     marker, argv = Path(sys.argv[1]), sys.argv[2:]
@@ -283,7 +283,7 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(random_model_dir, tmp_
 # ---------------------------------------------------------------------- safe, verified loading
 @pytest.fixture(scope="module")
 def team_and_trainer(random_model_dir):
-    from marft.agents.loading import load_base_model
+    from marft.models.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.algorithms import make_trainer
     from marft.config import AlgoConfig, ModelConfig

@@ -9,15 +9,16 @@ from test_team import fill_buffer, make_team
 from marft.algorithms import TRAINERS, trainer_class
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.config import AlgoConfig
-from marft.runner.shared.buffer import trim_batch
+from marft.types import TurnBatch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def padded_tokens(samples: dict[str, torch.Tensor], chunk: torch.Tensor) -> int:
+def padded_tokens(samples: TurnBatch, chunk: torch.Tensor) -> int:
     """Tokens of ``chunk``'s forward as the trainer runs it: rows x (trimmed prompt + trimmed reply columns)."""
-    mb = trim_batch({k: samples[k][chunk] for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask") if k in samples}, "cpu")
-    width = mb["prompt_ids"].shape[1] + (mb["response_ids"].shape[1] if "response_ids" in mb else 0)
+    mb = TurnBatch(prompt_ids=samples.prompt_ids, prompt_mask=samples.prompt_mask, response_ids=samples.response_ids,
+                   response_mask=samples.response_mask).rows(chunk).trimmed("cpu")
+    width = mb.prompt_ids.shape[1] + (mb.response_ids.shape[1] if mb.response_ids is not None else 0)
     return len(chunk) * width
 
 
@@ -26,11 +27,9 @@ def test_split_keeps_order_and_fits_the_budget():
     prompt = torch.tensor([2, 3, 3, 4, 9, 5])  # real prompt tokens per row
     reply = torch.tensor([1, 1, 2, 2, 3, 1])
     P, L = 10, 4
-    samples = {
-        "prompt_mask": (torch.arange(P).flip(0) < prompt[:, None]).long(),  # left padding
-        "response_mask": (torch.arange(L) < reply[:, None]).long(),  # right padding
-    }
-    samples |= {"prompt_ids": samples["prompt_mask"] * 7, "response_ids": samples["response_mask"] * 7}
+    prompt_mask = (torch.arange(P).flip(0) < prompt[:, None]).long()  # left padding
+    response_mask = (torch.arange(L) < reply[:, None]).long()  # right padding
+    samples = TurnBatch(prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask, response_ids=response_mask * 7, response_mask=response_mask)
     chunk = torch.tensor([5, 0, 1, 2, 3, 4])
     parts = APPOTrainer._token_budget_split(samples, chunk, budget=12)
     # row 5 (6) + row 0 -> 2 x 6 = 12 fits; + row 1 -> 3 x 6 = 18 no; rows 1,2 -> 2 x 5 = 10; + row 3 -> 3 x 6 no;
@@ -47,8 +46,8 @@ def test_split_counts_the_longest_header_before_the_longest_rest():
     of 8 prompt tokens, one behind a 6-token header (rest 2), one behind a 2-token header (rest 6), take 2 x (6 + 6)
     tokens together, not 2 x 8 (the critic's chunks mix agents)."""
     P = 10
-    samples = {"prompt_mask": (torch.arange(P).flip(0) < torch.tensor([8, 8])[:, None]).long()}
-    samples["prompt_ids"] = samples["prompt_mask"] * 7
+    prompt_mask = (torch.arange(P).flip(0) < torch.tensor([8, 8])[:, None]).long()
+    samples = TurnBatch(prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask)
     chunk, headers = torch.tensor([0, 1]), torch.tensor([6, 2])
     assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20)] == [[0, 1]]
     assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20, header_lengths=headers)] == [[0], [1]]
@@ -74,7 +73,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
             trainer.compute_advantages(buffer)
             policy_samples = buffer.agent_samples(0, trainer.token_level)
             critic_samples = buffer.critic_samples(trainer.token_level)
-            rows = torch.arange(len(policy_samples["prompt_ids"]))
+            rows = torch.arange(len(policy_samples.prompt_ids))
             budget_value = padded_tokens(policy_samples, rows) // 3  # about three chunks of the policy's minibatch
         else:
             trainer = trainer_class(algorithm)(
@@ -97,7 +96,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
     assert [len(call) for call in seen[None]] == [1, team.n_agents][: len(seen[None])]  # policy: 1 chunk, critic: one per agent
     for call, uncut in zip(seen["small"], seen[None]):
         assert len(call) > len(uncut)  # the budget cut the policy's and the critic's minibatches further
-        assert sorted(torch.cat([c for _, c in call]).tolist()) == list(range(len(call[0][0]["prompt_ids"])))  # every row once
+        assert sorted(torch.cat([c for _, c in call]).tolist()) == list(range(len(call[0][0].prompt_ids)))  # every row once
         assert all(padded_tokens(s, c) <= budget_value for s, c in call if len(c) > 1)
     for ones, cut in zip(results[None], results["small"]):
         assert len(ones) == len(cut) > 0 and any(g.abs().sum() > 0 for g in ones)

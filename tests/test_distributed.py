@@ -25,7 +25,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import marft.envs
-from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
+from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
 from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -92,8 +92,8 @@ def test_one_nonfinite_minibatch_is_skipped_counted_and_logged(random_model_dir,
         def normalized_advantages(self, samples):
             samples = original(self, samples)
             if once(self):
-                samples = {**samples, "advantages": samples["advantages"].clone()}
-                samples["advantages"][0] = float("nan")
+                samples = samples.replace(advantages=samples.advantages.clone())
+                samples.advantages[0] = float("nan")
             return samples
 
         monkeypatch.setattr(APPOTrainer, "normalized_advantages", normalized_advantages)

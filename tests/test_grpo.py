@@ -155,19 +155,18 @@ def test_the_reference_kl_is_zero_at_start_and_grows_as_adapters_move(random_mod
     trainer.compute_advantages(buffer)
     samples = buffer.agent_samples(0)
     ref = trainer.reference_logprobs(samples)
-    torch.testing.assert_close(ref, samples["logprobs"], atol=1e-5, rtol=0)  # LoRA starts as zero: policy == reference
+    torch.testing.assert_close(ref, samples.logprobs, atol=1e-5, rtol=0)  # LoRA starts as zero: policy == reference
     with torch.no_grad():
         for name, p in team.model.named_parameters():
             if "lora_B" in name and ".reasoner." in name:
                 p.normal_(std=0.5)
     team.set_active(None)
-    from marft.runner.shared.buffer import trim_batch
 
-    mb = trim_batch({**samples, "ref_logprobs": ref}, team.device)
+    mb = samples.replace(ref_logprobs=ref).trimmed(team.device)
     token_logp, _ = trainer.score_replies(team.agent_adapters[0], mb)
     stats = {}
     trainer.add_reference_kl(token_logp, mb, stats)
-    tokens = float(mb["response_mask"].sum())
+    tokens = float(mb.response_mask.sum())
     assert stats["kl_to_reference"] > 1e-3 and float(stats["kl_token_sum"]) == pytest.approx(float(stats["kl_to_reference"]) * tokens)
     metrics = trainer.update(buffer, 0)
     assert any(k.endswith("/kl_to_reference") for k in metrics)

@@ -9,7 +9,7 @@ import torch
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs.code.problem import last_python_block
 from marft.launch import build_runner, seed_everything
-from marft.workflows import OrchestratedWorkflow
+from marft.envs.workflows import OrchestratedWorkflow
 
 N_ENVS = 32
 
@@ -33,7 +33,7 @@ def rollout(tmp_path, **env):
 def replies(runner, buffer, agent: int) -> list[str]:
     """The decoded replies of ``agent``'s turns (special tokens kept), in (env, slot) order."""
     samples = buffer.agent_samples(agent)
-    return [runner.team.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(samples["response_ids"], samples["response_mask"])]
+    return [runner.team.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(samples.response_ids, samples.response_mask)]
 
 
 def test_the_orchestrator_writes_the_tags_through_the_chat_template(tmp_path, one_thread):
@@ -42,11 +42,11 @@ def test_the_orchestrator_writes_the_tags_through_the_chat_template(tmp_path, on
     assert runner.team.prompts.uses_chat_template
     for agent in range(3):
         samples = buffer.agent_samples(agent)
-        for ids, mask in zip(samples["prompt_ids"], samples["prompt_mask"]):
+        for ids, mask in zip(samples.prompt_ids, samples.prompt_mask):
             prompt = tokenizer.decode(ids[mask.bool()])
             assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
     samples = buffer.agent_samples(2)
-    lengths = samples["response_mask"].sum(-1).tolist()
+    lengths = samples.response_mask.sum(-1).tolist()
     ended = [text.endswith("<|im_end|>") or n == runner.team.backend.settings.max_new_tokens
              for text, n in zip(replies(runner, buffer, 2), lengths)]
     assert all(ended)  # each reply ends with the assistant turn's end, or fills the reply budget (16 tokens)

@@ -60,7 +60,7 @@ def _mutate_advantages(monkeypatch, how):
 
     def mutated(self, samples):
         samples = original(self, samples)
-        return {**samples, "advantages": how(samples["advantages"])}
+        return samples.replace(advantages=how(samples.advantages))
 
     monkeypatch.setattr(APPOTrainer, "normalized_advantages", mutated)
 

@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 import torch
 
-import marft.runner.shared.checkpoint as checkpoint_module
-import marft.runner.shared.runner as runner_module
+import marft.training.checkpoint as checkpoint_module
+import marft.training.runner as runner_module
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.faults import ExitCode
 from marft.launch import main
-from marft.runner.shared.checkpoint import find_checkpoint
-from marft.runner.shared.preemption import Preemption
+from marft.training.checkpoint import find_checkpoint
+from marft.training.preemption import Preemption
 from marft.distributed import SINGLE
 
 from test_checkpoint import weights
@@ -182,7 +182,7 @@ def test_periodic_saves_by_time_change_nothing_but_the_saves(random_model_dir, r
 def test_the_save_clock(monkeypatch):
     """--save_every_minutes counts from the last save (or the start); --save_interval by iterations; both at once."""
     now = {"t": 0.0}
-    monkeypatch.setattr("marft.runner.shared.preemption.time.monotonic", lambda: now["t"])
+    monkeypatch.setattr("marft.training.preemption.time.monotonic", lambda: now["t"])
     preemption = Preemption(save_interval=3, save_every_minutes=10, dist=SINGLE)
     with preemption:
         decisions = []
@@ -196,7 +196,7 @@ def test_the_save_clock(monkeypatch):
 
 def test_the_save_clock_by_time_alone(monkeypatch):
     now = {"t": 0.0}
-    monkeypatch.setattr("marft.runner.shared.preemption.time.monotonic", lambda: now["t"])
+    monkeypatch.setattr("marft.training.preemption.time.monotonic", lambda: now["t"])
     preemption = Preemption(save_interval=0, save_every_minutes=10, dist=SINGLE)
     with preemption:
         saves = []
@@ -211,7 +211,7 @@ def test_keep_checkpoints_by_default_keeps_two_and_never_the_only_one(random_mod
     run = tmp_path / "run"
     assert main(flags(random_model_dir, run, "--save_interval", "1", iterations=3)) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_2", "steps_3"]
-    from marft.runner.shared.checkpoint import prune_checkpoints
+    from marft.training.checkpoint import prune_checkpoints
 
     assert prune_checkpoints(run / "checkpoints", 1) == [run / "checkpoints" / "steps_2"]
     assert prune_checkpoints(run / "checkpoints", 1) == []  # the only complete checkpoint stays
@@ -222,7 +222,7 @@ def test_keep_checkpoints_by_default_keeps_two_and_never_the_only_one(random_mod
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
-    import marft.runner.shared.runner as runner_module
+    import marft.training.runner as runner_module
     from marft.launch import main
 
     mode, argv = sys.argv[1], sys.argv[2:]
@@ -394,7 +394,7 @@ def test_a_full_disk_under_the_transcripts(random_model_dir, tmp_path, monkeypat
 
 
 def test_low_free_space_warns_before_training(random_model_dir, tmp_path, monkeypatch, caplog):
-    from marft.runner.shared import storage
+    from marft.training import storage
 
     monkeypatch.setattr(storage, "free_bytes", lambda path: 10_000)
     with caplog.at_level(logging.WARNING):

@@ -17,11 +17,11 @@ import pytest
 import torch
 from test_team import HISTORIES, fill_buffer, make_team
 
-from marft.agents.loading import load_base_model
+from marft.models.loading import load_base_model
 from marft.agents.adapters import adapter_of
 from marft.agents.team import AgentTeam
 from marft.algorithms import TRAINERS, trainer_class
-from marft.algorithms.losses import NORMALIZATION_MODES
+from marft.choices import NORMALIZATION_MODES
 from marft.config import CHOICES, AlgoConfig, ModelConfig, TrainConfig, build_parser, parse_config
 from marft.envs.profile import AgentSpec
 
@@ -49,7 +49,7 @@ def test_top_k_keeps_ratio_and_kl_finite_when_sampled_tokens_leave_the_top_k(ran
     buffer = fill_buffer(team, trainer=trainer)
     perturb_adapters(team, std=0.5, names={"reasoner"})
     samples = buffer.agent_samples(0)
-    mb = {**samples, "advantages": torch.ones(len(samples["prompt_ids"]))}
+    mb = samples.replace(advantages=torch.ones(len(samples.prompt_ids)))
     team.set_active("reasoner", trainable=True)
     loss, _, stats = trainer.policy_loss("reasoner", mb)
     loss.backward()
@@ -97,10 +97,10 @@ def test_a_shared_adapter_gets_one_update_per_iteration_on_every_agents_turns(ra
     buffer = fill_buffer(team, trainer=trainer)
     calls = []
     original = trainer.update_policy
-    trainer.update_policy = lambda adapter, samples: calls.append((adapter, len(samples["prompt_ids"]))) or original(adapter, samples)
+    trainer.update_policy = lambda adapter, samples: calls.append((adapter, len(samples.prompt_ids))) or original(adapter, samples)
     trainer.update(buffer, 0)
     assert calls == [("shared", 2 * 4 * team.n_agents)]  # T=2 steps x E=4 envs x both agents, one update
-    assert torch.equal(buffer.agent_samples([0, 1])["response_ids"][:8], buffer.agent_samples(0)["response_ids"])
+    assert torch.equal(buffer.agent_samples([0, 1]).response_ids[:8], buffer.agent_samples(0).response_ids)
 
 
 # ---------------------------------------------------------------------- 4. gradient accumulation
@@ -195,7 +195,7 @@ def test_runner_bootstraps_a_truncated_episode_from_its_final_observation(random
     from marft.config import EnvConfig, RunnerConfig
     from marft.envs.cooperative import RelaySumEnv
     from marft.envs.vector import TextVectorEnv
-    from marft.runner.shared.runner import Runner
+    from marft.training.runner import Runner
 
     torch.manual_seed(0)
     team = make_team(random_model_dir, context_window=256)
@@ -238,7 +238,7 @@ ABBREVIATED = [("--num_env", "num_env_steps", "64"), ("--lr", "lr", "0.003"), ("
 
 @pytest.mark.parametrize("style", ["abbreviated", "equals", "abbreviated_equals"])
 def test_flags_given_abbreviated_or_with_equals_survive_a_resume(random_model_dir, tmp_path, style):
-    from marft.runner.shared.checkpoint import resume_config
+    from marft.training.checkpoint import resume_config
     from marft.launch import main
 
     run = tmp_path / "run"

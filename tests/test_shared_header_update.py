@@ -6,12 +6,13 @@ import torch
 from test_rl_audit import one_step_gradients, perturb_adapters
 from test_team import HISTORIES
 
-from marft.agents.loading import load_base_model
+from team_oracle import play_step
+from marft.models.loading import load_base_model
 from marft.agents.team import AgentTeam
 from marft.algorithms import trainer_class
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import load_profile
-from marft.runner.shared.buffer import RolloutBuffer
+from marft.rollout.buffer import RolloutBuffer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,7 +33,7 @@ def rollout(model_dir, algorithm, profile="planner_solver_verifier", context_win
     private = [["x = 7"] + [""] * (N - 1), [""] * N, ["x = 12345"] + [""] * (N - 1)]
     buffer = RolloutBuffer(STEPS, E, N, team.prompts.max_prompt_len, config.max_new_tokens, team.pad_id)
     for t in range(STEPS):
-        for agent, out in enumerate(team.play_step(HISTORIES, private, with_values=cls.uses_critic, token_values=cls.token_level)):
+        for agent, out in enumerate(play_step(team, HISTORIES, private, with_values=cls.uses_critic, token_values=cls.token_level)):
             buffer.insert_turn(t, agent, out)
         buffer.insert_step(t, torch.randint(0, 2, (E, N)).float(), torch.full((E,), t == STEPS - 1), torch.zeros(E, dtype=torch.bool))
     for name in ("advantages", "returns", "token_advantages", "token_returns"):
@@ -115,8 +116,8 @@ def test_rows_of_several_agents_keep_their_order_behind_their_headers(random_mod
     last hidden state, in the rows' own order."""
     team, _, buffer = rollout(random_model_dir, "APPO")
     samples = buffer.critic_samples()
-    order = torch.randperm(len(samples["agent"]))
-    agents, ids, mask = samples["agent"][order], samples["prompt_ids"][order], samples["prompt_mask"][order]
+    order = torch.randperm(len(samples.agent))
+    agents, ids, mask = samples.agent[order], samples.prompt_ids[order], samples.prompt_mask[order]
     assert len(set(agents.tolist())) == 3
     with torch.no_grad():
         torch.testing.assert_close(team.critic.values(ids, mask, agent=agents), team.critic.values(ids, mask), atol=1e-5, rtol=0)
@@ -172,7 +173,7 @@ def _same_agents_in_every_chunk(minibatches, buffer):
         out = []
         for chunks, *units in minibatches(samples, chunks_per_minibatch):
             rows = torch.cat(chunks)
-            by_agent = [rows[samples["agent"][rows] == a] for a in samples["agent"].unique()]
+            by_agent = [rows[samples.agent[rows] == a] for a in samples.agent.unique()]
             interleaved = torch.stack([r[: min(len(x) for x in by_agent)] for r in by_agent], 1).flatten()
             out.append((list(interleaved.chunk(chunks_per_minibatch)), *units))
         return out

@@ -6,7 +6,9 @@ import dataclasses
 import pytest
 import torch
 
-from marft.agents.loading import load_base_model
+from marft.algorithms.advantages import fill_action_advantages
+from team_oracle import play_step
+from marft.models.loading import load_base_model
 from marft.agents.generation import reply_mask
 from marft.agents.team import AgentTeam
 from marft.algorithms import TRAINERS, trainer_class
@@ -14,7 +16,7 @@ from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.tppo_trainer import TPPOTrainer
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import AgentSpec, load_profile
-from marft.runner.shared.buffer import RolloutBuffer
+from marft.rollout.buffer import RolloutBuffer
 
 HISTORIES = [
     "Problem: What is 3 + 4?\n",
@@ -121,7 +123,7 @@ def test_a_backend_written_to_the_interface_replaces_generate(random_model_dir):
             if "lora_" in name:
                 p.normal_(std=0.3)
     team.backend = GreedyLoop(team.model, team.sampling)
-    outs = team.play_step(HISTORIES, with_values=False)
+    outs = play_step(team, HISTORIES, with_values=False)
     for agent, out in enumerate(outs):
         adapter = team.agent_adapters[agent]
         with torch.no_grad():
@@ -210,11 +212,11 @@ def fill_buffer(team, n_envs=4, steps=2, trainer=None):
     buffer = RolloutBuffer(steps, n_envs, team.n_agents, team.prompts.max_prompt_len, team.config.max_new_tokens, team.pad_id)
     histories = (HISTORIES * n_envs)[:n_envs]
     for t in range(steps):
-        for agent, out in enumerate(team.play_step(histories, token_values=token_level)):
+        for agent, out in enumerate(play_step(team, histories, token_values=token_level)):
             buffer.insert_turn(t, agent, out)
         buffer.insert_step(t, torch.randint(0, 2, (n_envs, team.n_agents)).float(), torch.tensor([t == steps - 1] * n_envs), torch.zeros(n_envs, dtype=torch.bool))
     if trainer is None:
-        buffer.compute_advantages(0.99, 0.95)
+        fill_action_advantages(buffer, 0.99, 0.95)
     else:
         trainer.compute_advantages(buffer)
     return buffer
@@ -283,15 +285,15 @@ def test_policy_gradient_raises_the_logprob_of_advantaged_replies(random_model_d
     trainer.update_policy("reasoner", buffer.agent_samples(0))
     s = buffer.agent_samples(0)
     with torch.no_grad():
-        new = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"]).logprobs
-    delta = new.sum(-1) - s["logprobs"].sum(-1)
+        new = team.response_logprobs("reasoner", s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask).logprobs
+    delta = new.sum(-1) - s.logprobs.sum(-1)
     assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
 
 
 def test_token_values_first_position_is_the_prompt_value(random_model_dir):
     torch.manual_seed(0)
     team = make_team(random_model_dir)
-    out = team.play_step(HISTORIES, token_values=True)[0]
+    out = play_step(team, HISTORIES, token_values=True)[0]
     with torch.no_grad():
         prompt_values = team.critic.values(out.prompt_ids, out.prompt_mask)
     torch.testing.assert_close(out.token_values[:, 0], prompt_values, atol=1e-5, rtol=0)
@@ -302,7 +304,7 @@ def test_token_values_first_position_is_the_prompt_value(random_model_dir):
 def test_a_team_step_lets_each_agent_see_the_earlier_replies_and_values_every_turn(random_model_dir):
     team = make_team(random_model_dir, context_window=256)  # no history is cut
     private = [["x = 7", ""]] * len(HISTORIES)
-    reasoner, actor = team.play_step(HISTORIES, private)
+    reasoner, actor = play_step(team, HISTORIES, private)
     for b, history in enumerate(HISTORIES):
         reasoner_text = team.tokenizer.decode(reasoner.prompt_ids[b][reasoner.prompt_mask[b].bool()])
         actor_text = team.tokenizer.decode(actor.prompt_ids[b][actor.prompt_mask[b].bool()])
@@ -311,7 +313,7 @@ def test_a_team_step_lets_each_agent_see_the_earlier_replies_and_values_every_tu
     with torch.no_grad():
         for out in (reasoner, actor):
             torch.testing.assert_close(out.values, team.critic.values(out.prompt_ids, out.prompt_mask), atol=1e-5, rtol=0)
-    evaluation = team.play_step(HISTORIES, private, with_values=False)
+    evaluation = play_step(team, HISTORIES, private, with_values=False)
     assert all(out.values is None for out in evaluation)
 
 
@@ -335,7 +337,7 @@ def test_critic_runs_each_role_header_once_and_values_as_the_plain_forward(rando
                 p.normal_(std=0.3)
     private = [["x = 7"] + [""] * (team.n_agents - 1), [""] * team.n_agents, ["x = 12345"] + [""] * (team.n_agents - 1)]
     for token_level in (False, True):
-        for agent, out in enumerate(team.play_step(HISTORIES, private, token_values=token_level)):
+        for agent, out in enumerate(play_step(team, HISTORIES, private, token_values=token_level)):
             with torch.no_grad():
                 plain = team.critic.values(out.prompt_ids, out.prompt_mask)
                 one_agent = team.critic.values(out.prompt_ids, out.prompt_mask, agent=agent)
@@ -387,10 +389,10 @@ def test_frozen_headers_reuse_role_headers_and_forbid_training(random_model_dir)
                 p.normal_(std=0.3)
     private = [["x = 7", ""]] * len(HISTORIES)
     torch.manual_seed(3)
-    plain = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
+    plain = [play_step(team, HISTORIES, private, token_values=True) for _ in range(2)]
     torch.manual_seed(3)
     with team.headers.frozen():
-        frozen = [team.play_step(HISTORIES, private, token_values=True) for _ in range(2)]
+        frozen = [play_step(team, HISTORIES, private, token_values=True) for _ in range(2)]
         # (adapter, adapter folded into the base weights, agents): the rollout runs merged (--merge_lora_in_rollout)
         assert sorted(team.headers.memo) == [("actor", "actor", (1,)), ("critic", "critic", (0, 1)), ("reasoner", "reasoner", (0,))]
         with pytest.raises(RuntimeError, match="frozen"):
@@ -415,8 +417,8 @@ def test_tppo_raises_the_logprob_of_advantaged_tokens(random_model_dir):
     trainer.update_policy("reasoner", buffer.agent_samples(0, token_level=True))
     s = buffer.agent_samples(0, token_level=True)
     with torch.no_grad():
-        new = team.response_logprobs("reasoner", s["prompt_ids"], s["prompt_mask"], s["response_ids"], s["response_mask"]).logprobs
-    delta = new.sum(-1) - s["logprobs"].sum(-1)
+        new = team.response_logprobs("reasoner", s.prompt_ids, s.prompt_mask, s.response_ids, s.response_mask).logprobs
+    delta = new.sum(-1) - s.logprobs.sum(-1)
     assert (delta[:3] > 0).all() and (delta[3:] < 0).all()
 
 
@@ -503,7 +505,7 @@ def play_step_with_values(team):
             torch.manual_seed(2)
             head.weight.normal_()  # values of a real size
     torch.manual_seed(6)
-    return team.play_step(HISTORIES, token_values=True)
+    return play_step(team, HISTORIES, token_values=True)
 
 
 def test_half_precision_adapters_are_not_merged(random_model_dir):

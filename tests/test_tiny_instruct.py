@@ -12,12 +12,13 @@ from marft.agents.prompts import PromptEncoder
 from marft.envs.code.generated import generate_tasks
 from marft.envs.code.problem import last_python_block
 from marft.envs.profile import load_profile
-from marft.models.tiny import TinyRecipe, embedded_recipe, ensure_tiny_model
+from marft.models.loading import embedded_recipe
+from marft.models.tiny import TinyRecipe, ensure_tiny_model
 from marft.models.tiny_instruct import (
     CHATML_TEMPLATE, INSTRUCT_MODEL_NAME, InstructRecipe, code_transcripts, epoch_transcripts, route_transcripts,
 )
 from marft.envs.route import asked_shelf
-from marft.workflows import OrchestratedWorkflow
+from marft.envs.workflows import OrchestratedWorkflow
 
 QUICK = InstructRecipe(hidden_size=32, num_layers=1, num_heads=2, sft_steps=2, sft_batch_size=4)
 
@@ -31,7 +32,7 @@ def test_the_shipped_embedded_models_have_their_own_names_and_folders(quick_mode
     assert type(embedded_recipe("marft-tiny")) is TinyRecipe and type(embedded_recipe(INSTRUCT_MODEL_NAME)) is InstructRecipe
     assert embedded_recipe("Qwen/Qwen2.5-0.5B") is None
     assert os.path.basename(quick_model).startswith(f"{INSTRUCT_MODEL_NAME}-")
-    from marft.agents.loading import check_model_path
+    from marft.models.loading import check_model_path
 
     check_model_path(INSTRUCT_MODEL_NAME)  # an embedded name, not a missing folder
 

@@ -83,7 +83,7 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
     arithmetic (math env) and relay_sum, whose Reasoner prompt holds the private key."""
     import numpy as np
 
-    from marft.agents.loading import load_base_model
+    from marft.models.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.config import ModelConfig
     from marft.envs.cooperative import keeper_observation, relay_problem, relay_tasks

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import marft.agents.loading
+import marft.models.loading
 from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,7 @@ def no_model_load(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a model was loaded before the inputs were validated")
 
-    monkeypatch.setattr(marft.agents.loading, "load_base_model", forbidden)
+    monkeypatch.setattr(marft.models.loading, "load_base_model", forbidden)
 
 
 def write(path: Path, text: str) -> str:
@@ -105,7 +105,7 @@ def test_a_run_that_builds_its_model_first_starts_like_a_cached_run(random_model
     import torch
     from safetensors.torch import load_file
 
-    load = marft.agents.loading.load_base_model
+    load = marft.models.loading.load_base_model
 
     def load_after_drawing(config):
         random.random(), np.random.rand(), torch.rand(100)  # what a model build would consume
@@ -115,7 +115,7 @@ def test_a_run_that_builds_its_model_first_starts_like_a_cached_run(random_model
             "--context_window", "128", "--n_rollout_threads", "2", "--episode_length", "1", "--num_env_steps", "2",
             "--eval_episodes", "1", "--n_eval_threads", "1"]
     assert main([*argv, "--output_dir", str(tmp_path / "cached")]) == 0
-    monkeypatch.setattr(marft.agents.loading, "load_base_model", load_after_drawing)
+    monkeypatch.setattr(marft.models.loading, "load_base_model", load_after_drawing)
     assert main([*argv, "--output_dir", str(tmp_path / "built")]) == 0
     for file in sorted((tmp_path / "cached" / "checkpoints" / "steps_1").rglob("*.safetensors")):
         built = load_file(tmp_path / "built" / file.relative_to(tmp_path / "cached"))

@@ -113,14 +113,14 @@ def test_scores_and_values_equal_the_padded_forward(random_model_dir):
     team, trainer, buffer = rollout(random_model_dir, "TPPO", context_window=120)
     end_early(team, buffer)
     samples = buffer.critic_samples(token_level=True)
-    args = (samples["prompt_ids"], samples["prompt_mask"], samples["response_ids"], samples["response_mask"])
+    args = (samples.prompt_ids, samples.prompt_mask, samples.response_ids, samples.response_mask)
     results = []
     for enabled in (True, False):
         _unpadded(team, enabled)
         with torch.no_grad():
-            scores = team.response_logprobs(team.policy_adapters[0], *args, with_entropy=True, agents=samples["agent"])
-            values = team.critic.values(args[0], args[1], agent=samples["agent"])
-            token_values = team.critic.token_values(*args, agent=samples["agent"])
+            scores = team.response_logprobs(team.policy_adapters[0], *args, with_entropy=True, agents=samples.agent)
+            values = team.critic.values(args[0], args[1], agent=samples.agent)
+            token_values = team.critic.token_values(*args, agent=samples.agent)
         results.append((scores, values, token_values))
     (ours, our_values, our_tokens), (theirs, their_values, their_tokens) = results
     torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=0)

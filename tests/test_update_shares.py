@@ -56,7 +56,7 @@ def test_an_adapter_without_turns_is_not_stepped(random_model_dir, algorithm):
     critic_samples = buffer.critic_samples(trainer.token_level, [0])
     if trainer.uses_critic:
         trainer.update_critic(critic_samples, critic)
-    empty = {k: v[:0] for k, v in samples.items()}
+    empty = samples.rows(slice(0, 0))
     weights, state = lora(team, "reasoner"), optimizer_state(trainer.policy_optimizers["reasoner"])
     assert state, "the first update made no optimizer state"
     metrics = trainer.update_policy("reasoner", empty)
@@ -67,7 +67,7 @@ def test_an_adapter_without_turns_is_not_stepped(random_model_dir, algorithm):
     if trainer.uses_critic:
         params = [p.detach().clone() for p in team.critic.trainable_parameters(critic)]
         state = optimizer_state(trainer.critic_optimizers[critic])
-        trainer.update_critic({k: v[:0] for k, v in critic_samples.items()}, critic)
+        trainer.update_critic(critic_samples.rows(slice(0, 0)), critic)
         assert all(torch.equal(a, b) for a, b in zip(params, team.critic.trainable_parameters(critic)))
         assert_same_state(state, optimizer_state(trainer.critic_optimizers[critic]))
         assert trainer.counters[f"skipped_updates/{critic}"] == 1
@@ -107,8 +107,8 @@ def test_kl_gradient_does_not_depend_on_gradient_cp_steps(random_model_dir, algo
             trainer.compute_advantages(buffer)
         samples = buffer.agent_samples(0, trainer.token_level)
         for key in ("advantages", "token_advantages"):  # the KL alone
-            if key in samples:
-                samples[key] = torch.zeros_like(samples[key])
+            if getattr(samples, key) is not None:
+                setattr(samples, key, torch.zeros_like(getattr(samples, key)))
         trainer.config.normalize_advantages = False
         results[cp] = one_step_gradients(trainer, trainer.update_policy, "reasoner", samples)
         team.set_active(None)

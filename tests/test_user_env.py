@@ -72,12 +72,12 @@ def test_env_name_finds_an_installed_packages_entry_point(tmp_path, user_package
 
 
 def fail_on_model_load(monkeypatch):
-    import marft.agents.loading
+    import marft.models.loading
 
     def refuse(config):
         raise AssertionError("the model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(marft.agents.loading, "load_base_model", refuse)
+    monkeypatch.setattr(marft.models.loading, "load_base_model", refuse)
 
 
 def test_an_unknown_env_name_is_one_line_before_the_model_loads(tmp_path, monkeypatch, capsys):
@@ -195,7 +195,7 @@ def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(ran
 def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_path, user_package):
     """The README's walkthrough, shortened: the embedded model never writes ``{d}``; the warm start on the env's
     demonstrations teaches the format (agreement at chance), RL then finds a convention on held-out rounds."""
-    from marft.sft import main as sft_main
+    from marft.cli.sft import main as sft_main
 
     common = ["--env_name", "my_envs.agree:AgreeDigitEnv", "--profile_path", "reasoner_actor_anonymous",
               "--n_rollout_threads", "32", "--episode_length", "1", "--eval_episodes", "100"]

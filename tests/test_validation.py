@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import marft.launch
+import marft.cli.sft
 import marft.sft
 from marft.config import CHOICES, SECTIONS, build_parser, field_docs
 from marft.sft import SFTConfig
@@ -74,7 +75,8 @@ def stubbed(monkeypatch):
 
     monkeypatch.setattr(marft.launch, "build_runner", accept)
     monkeypatch.setattr(marft.launch, "build_team", accept)
-    monkeypatch.setattr(marft.sft, "demonstrations", lambda make_env, n, seed: [])
+    monkeypatch.setattr(marft.cli.sft, "build_team", accept)
+    monkeypatch.setattr(marft.cli.sft, "demonstrations", lambda make_env, n, seed: [])
 
 
 def base_flags(model_dir: str, run_dir: Path) -> list[str]:
@@ -104,7 +106,7 @@ def test_the_flag_fuzzer_every_field_every_invalid_value(random_model_dir, tmp_p
     run_dir = tmp_path / "run"
     tried, errors = 0, 0
     for section, name, hint in cases():
-        command = marft.sft.main if section == "sft" else marft.launch.main
+        command = marft.cli.sft.main if section == "sft" else marft.launch.main
         for value in values_for(hint, tmp_path):
             if name == "output_dir" and value == str(tmp_path / "binary.jsonl"):
                 continue  # a file as --output_dir: its own case below
@@ -135,9 +137,9 @@ def test_fuzzer_values_through_the_warm_start_command(random_model_dir, tmp_path
     """The warm start's own flags, and an undecodable --sft_data file named in its error."""
     binary = tmp_path / "sft.jsonl"
     binary.write_bytes(b"\xff\xfe\x00\x81")
-    result, line = outcome(marft.sft.main, base_flags(random_model_dir, tmp_path / "run") + ["--sft_data", str(binary)], capsys)
+    result, line = outcome(marft.cli.sft.main, base_flags(random_model_dir, tmp_path / "run") + ["--sft_data", str(binary)], capsys)
     assert result == "error" and str(binary) in line and "not UTF-8" in line, line
-    result, line = outcome(marft.sft.main, base_flags(random_model_dir, tmp_path / "run") + ["--sft_lr", "nan"], capsys)
+    result, line = outcome(marft.cli.sft.main, base_flags(random_model_dir, tmp_path / "run") + ["--sft_lr", "nan"], capsys)
     assert line.startswith("error: --sft_lr must be a finite number, got nan")
 
 

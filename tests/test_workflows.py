@@ -12,7 +12,7 @@ from marft.algorithms.advantages import agent_chain_gae
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs import MultiAgentTextEnv, StepOutcome
 from marft.envs.profile import PROFILE_DIR, load_profile
-from marft.workflows import workflow_for
+from marft.envs.workflows import workflow_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -188,7 +188,7 @@ def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model
     """Runner.collect (turn by turn) against the old fixed-order loop (``team.play_step`` per step, every agent's
     reply at once to ``env.step``), same seed: same transcripts, ids, log-probs, values and advantages."""
     from marft.launch import build_runner
-    from marft.runner.shared.buffer import RolloutBuffer
+    from marft.rollout.buffer import RolloutBuffer
 
     runner = build_runner(run_config(random_model_dir, tmp_path, algorithm_name=algorithm))
     torch.manual_seed(11)

@@ -13,15 +13,13 @@ learning there was worse (0.43 against 0.88 success on the training tasks in 512
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from marft.agents.headers import RoleHeaderCache
-
-if TYPE_CHECKING:
-    from marft.agents.team import TurnOutput
+from marft.types import TurnOutput
 
 CRITIC_ADAPTER = "critic"
 

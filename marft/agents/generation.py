@@ -246,14 +246,14 @@ class DecodeLoop:
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
 
 
-GENERATION_BACKENDS = {"decode_loop": DecodeLoop, "generate": TransformersGenerate}
-"""``--generation_backend`` → the backend class (the one table of backends): ``decode_loop``, marft's own sampling loop
-(the default; the same ids and log-probs as generate for a seed on CPU); ``generate``, transformers' ``model.generate``
-(the reference and fallback)."""
+BACKEND_CLASSES = {"decode_loop": DecodeLoop, "generate": TransformersGenerate}
+"""``--generation_backend`` (:data:`marft.choices.GENERATION_BACKENDS`) → the backend class: ``decode_loop``, marft's
+own sampling loop (the default; the same ids and log-probs as generate for a seed on CPU); ``generate``,
+transformers' ``model.generate`` (the reference and fallback)."""
 
 
 def make_backend(name: str, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool) -> GenerationBackend:
-    """The generation backend named ``name`` (:data:`GENERATION_BACKENDS`)."""
-    if name not in GENERATION_BACKENDS:
-        raise ValueError(f"--generation_backend must be one of {', '.join(GENERATION_BACKENDS)}, got {name!r}")
-    return GENERATION_BACKENDS[name](headers, settings, logprobs_from_generate)
+    """The generation backend named ``name`` (:data:`BACKEND_CLASSES`)."""
+    if name not in BACKEND_CLASSES:
+        raise ValueError(f"--generation_backend must be one of {', '.join(BACKEND_CLASSES)}, got {name!r}")
+    return BACKEND_CLASSES[name](headers, settings, logprobs_from_generate)

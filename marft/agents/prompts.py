@@ -19,13 +19,9 @@ from typing import Sequence
 
 import torch
 
+from marft.choices import CHAT_TEMPLATE_MODES
 from marft.prompting import build_prompt, format_conversation, format_header, format_private, handover_text
 
-CHAT_TEMPLATE_MODES = {
-    "auto": "render each agent's prompt with the tokenizer's chat template when it has one, else the plain transcript",
-    "none": "the plain transcript (role header, private observation, conversation, cue)",
-}
-"""``--chat_template`` → how prompts are written (the one table of modes)."""
 
 USER_PLACEHOLDER = "MARFT-USER-CONTENT-1f7c"
 """Rendered as the user message once per agent to find where its prompts' own text goes in the template."""

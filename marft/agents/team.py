@@ -27,7 +27,6 @@ L = reply length, V = vocabulary):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -39,35 +38,11 @@ from marft.agents.critic import CRITIC_ADAPTER, Critic
 from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings, make_backend
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
+from marft.types import ReplyScores, TurnOutput
 
 SHARED_ADAPTER = "shared"
 REFERENCE_PREFIX = "ref_"
 """A policy adapter's frozen KL reference is the adapter ``ref_<adapter>`` (:meth:`AgentTeam.add_reference_adapters`)."""
-
-
-@dataclass
-class ReplyScores:
-    """The current policy's view of given replies (:meth:`AgentTeam.response_logprobs`)."""
-
-    logprobs: torch.Tensor  # (B, L) log-probs of the reply tokens under the scoring distribution, 0 at padding
-    entropy: torch.Tensor | None  # (B, L) entropy of that distribution per position (None unless asked), 0 at padding
-    out_of_topk: int = 0  # reply tokens outside the current policy's top-k (0 when top-k is off)
-    positions: int = 0  # token positions the forward ran (each shared role header once)
-    padding: int = 0  # of them, padding
-
-
-@dataclass
-class TurnOutput:
-    """What one agent produced for a batch of prompts in one turn."""
-
-    prompt_ids: torch.Tensor  # (B, P) left-padded
-    prompt_mask: torch.Tensor  # (B, P)
-    response_ids: torch.Tensor  # (B, L) right-padded, L = max_new_tokens
-    response_mask: torch.Tensor  # (B, L)
-    logprobs: torch.Tensor  # (B, L) token log-probs of the sampled ids under the sampling distribution
-    texts: list[str]  # decoded replies, stripped
-    values: torch.Tensor | None = None  # (B,) critic value of the prompt (None when not asked for)
-    token_values: torch.Tensor | None = None  # (B, L) critic value before each reply token (token-level trainers)
 
 
 def agent_adapter_names(profile: Sequence, config: ModelConfig, with_critic: bool) -> tuple[list[str], list[str]]:
@@ -217,13 +192,7 @@ class AgentTeam(nn.Module):
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.unpadded_forward and self.headers.sharable  # the matrix products skip the rows' pads
-        positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
-        if unpadded:  # the rows' pads never reach a matrix product
-            positions, padding = positions - padding, 0
-        if cache is not None:  # each distinct header ran once, left-padded to the longest
-            headers = [self.prompts.header_ids[a] for a in set(agents.tolist())]
-            positions += cached * len(headers)
-            padding += sum(cached - len(h) for h in headers)
+        positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
         if unpadded:
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
             out_logits = self.model.get_output_embeddings()(hidden)  # (B, L + 1, V)
@@ -251,6 +220,20 @@ class AgentTeam(nn.Module):
                 out_of_topk = int(((taken < kth).squeeze(-1) & response_mask.bool()).sum())
         return ReplyScores(logprobs, entropy, out_of_topk, positions, padding)
 
+    def _forward_positions(self, mask: torch.Tensor, cached: int, unpadded: bool, agents: torch.Tensor | None) -> tuple[int, int]:
+        """``(positions, padding)``: the token positions a scoring forward runs through its matrix products, and how
+        many of them are padding. ``mask (B, cached + S)``; ``unpadded``: the rows' pads never reach a matrix
+        product; ``agents (B,)``: the rows sit behind shared role headers, each distinct header run once, left-padded
+        to the longest (None: no shared headers)."""
+        positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
+        if unpadded:
+            positions, padding = positions - padding, 0
+        if agents is not None:
+            headers = [self.prompts.header_ids[a] for a in set(agents.tolist())]
+            positions += cached * len(headers)
+            padding += sum(cached - len(h) for h in headers)
+        return positions, padding
+
     @torch.no_grad()
     def sample(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
         """Replies sampled by the generation backend through ``adapter`` (``agent``: the prompts are that agent's,
@@ -269,7 +252,7 @@ class AgentTeam(nn.Module):
         private: Sequence[str] | None = None,
     ) -> TurnOutput:
         """Agent ``agent`` replies to every history in the batch: prompts encoded, replies sampled and scored
-        (no critic values: see :meth:`play_step`)."""
+        (no critic values: :func:`marft.rollout.turns.play_team_step` adds them)."""
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private)
         adapter = self.agent_adapters[agent]
         replies = self.sample(adapter, prompt_ids, prompt_mask, agent)
@@ -280,38 +263,6 @@ class AgentTeam(nn.Module):
             ).logprobs
         return TurnOutput(prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, logprobs,
                           self.decode(replies.response_ids, replies.response_mask))
-
-    @torch.no_grad()
-    def play_step(
-        self,
-        histories: Sequence[str],
-        private: Sequence[Sequence[str]] | None = None,
-        with_values: bool = True,
-        token_values: bool = False,
-    ) -> list[TurnOutput]:
-        """One team step of the sequential workflow on a batch of B conversations: every agent, in profile
-        order, replies to each history, seeing the replies of the agents before it. (The runner plays any
-        workflow turn by turn with :func:`marft.runner.shared.turns.play_team_step`; this is the plain
-        fixed-order loop it is tested against.)
-
-        Args:
-            histories: ``(B,)`` shared observations.
-            private: ``(B, N)`` text only agent n sees in conversation b (None: nothing private).
-            with_values: value every turn (training rollouts with a critic); evaluation and critic-free teams skip it.
-            token_values: the critic also values every reply token (token-level trainers).
-
-        Returns one ``TurnOutput`` per agent.
-        """
-        earlier = [[] for _ in histories]  # (role, reply) of the agents that already spoke, per conversation
-        outs = []
-        for agent, spec in enumerate(self.profile):
-            out = self.act(agent, histories, earlier, None if private is None else [p[agent] for p in private])
-            for turns, text in zip(earlier, out.texts):
-                turns.append((spec.role, text))
-            outs.append(out)
-        if with_values and self.critic is not None:
-            self.critic.value_batches(list(enumerate(outs)), token_values)
-        return outs
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]

@@ -67,65 +67,88 @@ def unpadded_decoder_states(
         ``(B, tail, H)`` (a pad among them gets finite states no caller should read); with ``keep_keys_values``
         a third item, per layer ``(keys, values)`` of shape ``(B, kv, C + S, d)`` (zeros at pads).
     """
-    config = decoder.config
     B, S = ids.shape
     C = 0 if cache is None else cache.get_seq_length()
-    real = mask[:, C:].bool()  # (B, S)
-    flat = real.flatten().nonzero().squeeze(1)  # (N,) indices into B·S
-    hidden = decoder.embed_tokens(ids.flatten()[flat])  # (N, H)
-    cos, sin = decoder.rotary_emb(hidden, positions.flatten()[flat][None])  # (1, N, d) each
-    cos, sin = cos[0, :, None], sin[0, :, None]  # (N, 1, d): broadcast over heads
-
-    keys_real = mask.bool()[:, None, None, :]  # (B, 1, 1, C + S)
-    causal = torch.ones(S, S, dtype=torch.bool, device=ids.device).tril()  # (S, S)
-    allowed = keys_real & torch.cat([causal.new_ones(S, C), causal], dim=1)[None, None]  # (B, 1, S, C + S)
-    own = torch.cat([causal.new_zeros(S, C), torch.eye(S, dtype=torch.bool, device=ids.device)], dim=1)  # (S, C + S)
-    allowed = allowed | own[None, None]  # a pad query sees its own (zero) key: no empty softmax row
-
-    def rows(t: torch.Tensor) -> torch.Tensor:  # (N, ...) → (B, S, ...), zeros at pads
-        return t.new_zeros(B * S, *t.shape[1:]).index_copy(0, flat, t).view(B, S, *t.shape[1:])
-
-    n_heads, n_kv, head_dim = head_counts(config)
-    layers = decoder.layers[: config.num_hidden_layers]
+    layout = _RealTokens(mask, C, S, positions)
+    hidden = decoder.embed_tokens(ids.flatten()[layout.flat])  # (N, H)
+    layout.rotary(decoder.rotary_emb, hidden)
+    heads = head_counts(decoder.config)
+    layers = decoder.layers[: decoder.config.num_hidden_layers]
     kept = []
     for index, layer in enumerate(layers):
-        attn = layer.self_attn
-        last = tail is not None and index == len(layers) - 1
-        x = layer.input_layernorm(hidden)  # (N, H)
-        k = attn.k_proj(x).view(-1, n_kv, head_dim)  # (N, kv, d)
-        v = attn.v_proj(x).view(-1, n_kv, head_dim)
-        if hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms before the rotary positions
-            k = attn.k_norm(k)
-        k = _rotary(k, cos, sin)
-        k_rows, v_rows = rows(k).transpose(1, 2), rows(v).transpose(1, 2)  # (B, kv, S, d)
-        if cache is not None:
-            k_rows = torch.cat([cache.layers[index].keys, k_rows], dim=2)  # (B, kv, C + S, d)
-            v_rows = torch.cat([cache.layers[index].values, v_rows], dim=2)
+        last_tail = tail if tail is not None and index == len(layers) - 1 else None
+        cached = None if cache is None else (cache.layers[index].keys, cache.layers[index].values)
+        hidden, keys_values = _decoder_layer(layer, hidden, layout, cached, heads, last_tail)
         if keep_keys_values:
-            kept.append((k_rows, v_rows))
-        if last:  # queries, attention output and MLP of the last `tail` columns only (a pad there: zeros in, finite out)
-            hidden = rows(hidden)[:, S - tail :]  # (B, tail, H) the residual stream there
-            # the norm runs again on these rows rather than reusing rows(x): equal values, but another rounding of the
-            # reduction (~1e-7), and the README's learning figures were measured with this one; it costs B·tail rows
-            q = attn.q_proj(layer.input_layernorm(hidden)).view(B, tail, n_heads, head_dim)
-            q_cos, q_sin, query_mask = rows(cos)[:, S - tail :], rows(sin)[:, S - tail :], allowed[:, :, S - tail :]  # (B, tail, 1, d)
-        else:
-            q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
-            q_cos, q_sin, query_mask = cos, sin, allowed
-        if hasattr(attn, "q_norm"):
-            q = attn.q_norm(q)
-        q = _rotary(q, q_cos, q_sin)
-        q_rows = (q if last else rows(q)).transpose(1, 2)  # (B, h, S or tail, d)
-        out = F.scaled_dot_product_attention(
-            q_rows, k_rows, v_rows, attn_mask=query_mask, scale=attn.scaling, enable_gqa=n_heads != n_kv,
-        ).transpose(1, 2)  # (B, S or tail, h, d)
-        out = out.reshape(B, tail, n_heads * head_dim) if last else out.reshape(B * S, n_heads * head_dim)[flat]  # (B, tail, h·d) or (N, h·d)
-        hidden = hidden + attn.o_proj(out)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            kept.append(keys_values)
     if tail is not None and not layers:
-        hidden = rows(hidden)[:, S - tail :]
+        hidden = layout.rows(hidden)[:, S - tail :]
     hidden = decoder.norm(hidden)
-    return (hidden, real, kept) if keep_keys_values else (hidden, real)
+    return (hidden, layout.real, kept) if keep_keys_values else (hidden, layout.real)
+
+
+class _RealTokens:
+    """Where the N real tokens of a padded ``(B, S)`` batch sit, their rotary tables, and which keys each query
+    may attend to (the C cached columns first)."""
+
+    def __init__(self, mask: torch.Tensor, C: int, S: int, positions: torch.Tensor):
+        B = mask.shape[0]
+        self.B, self.S, self.positions = B, S, positions
+        self.real = mask[:, C:].bool()  # (B, S)
+        self.flat = self.real.flatten().nonzero().squeeze(1)  # (N,) indices into B·S
+        keys_real = mask.bool()[:, None, None, :]  # (B, 1, 1, C + S)
+        causal = torch.ones(S, S, dtype=torch.bool, device=mask.device).tril()  # (S, S)
+        allowed = keys_real & torch.cat([causal.new_ones(S, C), causal], dim=1)[None, None]  # (B, 1, S, C + S)
+        own = torch.cat([causal.new_zeros(S, C), torch.eye(S, dtype=torch.bool, device=mask.device)], dim=1)  # (S, C + S)
+        self.allowed = allowed | own[None, None]  # a pad query sees its own (zero) key: no empty softmax row
+
+    def rotary(self, rotary_emb: nn.Module, hidden: torch.Tensor) -> None:
+        """The rotary tables ``cos, sin`` ``(N, 1, d)`` of the real tokens (broadcast over heads)."""
+        cos, sin = rotary_emb(hidden, self.positions.flatten()[self.flat][None])  # (1, N, d) each
+        self.cos, self.sin = cos[0, :, None], sin[0, :, None]
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``(N, ...)`` → ``(B, S, ...)``, zeros at pads."""
+        return t.new_zeros(self.B * self.S, *t.shape[1:]).index_copy(0, self.flat, t).view(self.B, self.S, *t.shape[1:])
+
+
+def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, cached, heads: tuple[int, int, int], tail: int | None):
+    """One decoder layer on the real tokens ``hidden (N, H)``; attention on rows, after the ``cached`` keys and
+    values ``(B, kv, C, d)`` (or None). With ``tail`` (the last layer of a tail forward) queries, attention output
+    and MLP run on the last ``tail`` columns only and the states come back as ``(B, tail, H)``.
+    Returns ``(hidden, (keys, values) of shape (B, kv, C + S, d))``."""
+    attn, (n_heads, n_kv, head_dim), B, S = layer.self_attn, heads, layout.B, layout.S
+    x = layer.input_layernorm(hidden)  # (N, H)
+    k = attn.k_proj(x).view(-1, n_kv, head_dim)  # (N, kv, d)
+    v = attn.v_proj(x).view(-1, n_kv, head_dim)
+    if hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms before the rotary positions
+        k = attn.k_norm(k)
+    k = _rotary(k, layout.cos, layout.sin)
+    k_rows, v_rows = layout.rows(k).transpose(1, 2), layout.rows(v).transpose(1, 2)  # (B, kv, S, d)
+    if cached is not None:
+        k_rows = torch.cat([cached[0], k_rows], dim=2)  # (B, kv, C + S, d)
+        v_rows = torch.cat([cached[1], v_rows], dim=2)
+    if tail is not None:  # queries, attention output and MLP of the last `tail` columns only (a pad there: zeros in, finite out)
+        hidden = layout.rows(hidden)[:, S - tail :]  # (B, tail, H) the residual stream there
+        # the norm runs again on these rows rather than reusing rows(x): equal values, but another rounding of the
+        # reduction (~1e-7), and the README's learning figures were measured with this one; it costs B·tail rows
+        q = attn.q_proj(layer.input_layernorm(hidden)).view(B, tail, n_heads, head_dim)
+        q_cos, q_sin = layout.rows(layout.cos)[:, S - tail :], layout.rows(layout.sin)[:, S - tail :]  # (B, tail, 1, d)
+        query_mask = layout.allowed[:, :, S - tail :]
+    else:
+        q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
+        q_cos, q_sin, query_mask = layout.cos, layout.sin, layout.allowed
+    if hasattr(attn, "q_norm"):
+        q = attn.q_norm(q)
+    q = _rotary(q, q_cos, q_sin)
+    q_rows = (q if tail is not None else layout.rows(q)).transpose(1, 2)  # (B, h, S or tail, d)
+    out = F.scaled_dot_product_attention(
+        q_rows, k_rows, v_rows, attn_mask=query_mask, scale=attn.scaling, enable_gqa=n_heads != n_kv,
+    ).transpose(1, 2)  # (B, S or tail, h, d)
+    out = out.reshape(B, tail, n_heads * head_dim) if tail is not None else out.reshape(B * S, n_heads * head_dim)[layout.flat]
+    hidden = hidden + attn.o_proj(out)  # (B, tail, H) or (N, H)
+    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    return hidden, (k_rows, v_rows)
 
 
 def head_counts(config) -> tuple[int, int, int]:

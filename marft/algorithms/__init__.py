@@ -1,6 +1,6 @@
 """Trainers, chosen by ``--algorithm_name``.
 
-:data:`TRAINERS` is the one table of algorithm names: ``--help``, the config's validation, the
+:data:`marft.choices.TRAINERS` is the one table of algorithm names: ``--help``, the config's validation, the
 benchmark and :func:`make_trainer` all read it. Entries name their class as ``"module:Class"`` and
 are imported on first use, so reading the names imports no model code.
 """
@@ -9,13 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-TRAINERS: dict[str, str] = {
-    "APPO": "marft.algorithms.appo_trainer:APPOTrainer",
-    "TPPO": "marft.algorithms.tppo_trainer:TPPOTrainer",
-    "GRPO": "marft.algorithms.grpo_trainer:GRPOTrainer",
-}
-"""``--algorithm_name`` → trainer class. APPO: action-level MAPPO (MARFT-A); TPPO: token-level (MARFT-T);
-GRPO: critic-free, group-relative."""
+from marft.choices import TRAINERS
 
 
 def trainer_class(name: str):

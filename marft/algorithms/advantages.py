@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from marft.choices import CREDIT_MODES
+
 
 def episode_end_values(next_values: torch.Tensor, terminated: torch.Tensor, truncated=None, final_values=None) -> torch.Tensor:
     """What a step's last turn bootstraps from, ``(T, E)`` like every input: the next step's first value
@@ -139,6 +141,7 @@ def discount_matrix(length: int, discount: float, dtype=torch.float32, device=No
     return torch.where(steps >= 0, torch.tensor(discount, dtype=dtype, device=device) ** steps.clamp(min=0).to(dtype), torch.zeros((), dtype=dtype, device=device))
 
 
+# long function: 34 of its 70 lines are the docstring (every tensor's shape and the chain's rules); the code is 36
 def token_chain_gae(
     rewards: torch.Tensor,
     token_values: torch.Tensor,
@@ -187,7 +190,6 @@ def token_chain_gae(
     lengths = response_mask.sum(-1).long()  # (T, E, N)
     within = token_gamma * token_gae_lambda
     W = discount_matrix(L, within, dtype, device)  # (L, L)
-    pos = torch.arange(L, device=device)
     advantages = torch.zeros_like(token_values)
     next_value = bootstrap_value.to(dtype).clone()  # (E,) value of the next real token after the current reply
     next_adv = torch.zeros(E, dtype=dtype, device=device)  # (E,) its advantage
@@ -204,18 +206,31 @@ def token_chain_gae(
             v, m, length = token_values[t, :, n], mask[t, :, n], lengths[t, :, n]  # (E, L), (E, L), (E,)
             real = length > 0
             after_value, after_adv = walk.enter(real, layers[t, :, n])  # (E,) each: the first token after the reply's layer
-            last = (pos.unsqueeze(0) == (length - 1).unsqueeze(1)).to(dtype)  # (E, L) one-hot of the last real token
-            v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * (1 - last) + after_value.unsqueeze(1) * last
-            discount = token_gamma * (1 - last) + gamma * last
-            reward = (rewards[t, :, n] + pending).unsqueeze(1) * last
-            delta = (reward + discount * v_next - v) * m  # (E, L)
-            carry_power = within ** (length.unsqueeze(1) - 1 - pos.unsqueeze(0)).clamp(min=0).to(dtype)  # (E, L)
-            adv = (delta @ W.T + carry_power * gamma * gae_lambda * after_adv.unsqueeze(1)) * m  # (E, L)
+            adv = _reply_token_advantages(v, m, length, rewards[t, :, n] + pending, after_value, after_adv, W, within, token_gamma, gamma, gae_lambda)
             advantages[t, :, n] = adv
             walk.add(real, [v[:, 0], adv[:, 0]])
             pending = torch.where(real, torch.zeros_like(pending), pending + rewards[t, :, n])
         next_value, next_adv = walk.before()
     return advantages, (advantages + token_values) * mask
+
+
+def _reply_token_advantages(
+    v: torch.Tensor, m: torch.Tensor, length: torch.Tensor, reward: torch.Tensor, after_value: torch.Tensor,
+    after_adv: torch.Tensor, W: torch.Tensor, within: float, token_gamma: float, gamma: float, gae_lambda: float,
+) -> torch.Tensor:
+    """The token advantages ``(E, L)`` of one reply slot of every env (:func:`token_chain_gae`).
+
+    ``v, m (E, L)``: token values and mask; ``length (E,)``: real tokens; ``reward (E,)``: paid on the last real
+    token; ``after_value, after_adv (E,)``: the first token after the reply's layer; ``W (L, L)``: the discount matrix of
+    ``within`` = token_gamma · token_gae_lambda."""
+    dtype, L = v.dtype, v.shape[1]
+    pos = torch.arange(L, device=v.device)
+    last = (pos.unsqueeze(0) == (length - 1).unsqueeze(1)).to(dtype)  # (E, L) one-hot of the last real token
+    v_next = torch.cat([v[:, 1:], torch.zeros_like(v[:, :1])], dim=1) * (1 - last) + after_value.unsqueeze(1) * last
+    discount = token_gamma * (1 - last) + gamma * last
+    delta = (reward.unsqueeze(1) * last + discount * v_next - v) * m  # (E, L)
+    carry_power = within ** (length.unsqueeze(1) - 1 - pos.unsqueeze(0)).clamp(min=0).to(dtype)  # (E, L)
+    return (delta @ W.T + carry_power * gamma * gae_lambda * after_adv.unsqueeze(1)) * m  # (E, L)
 
 
 def group_relative_advantages(
@@ -258,26 +273,6 @@ def group_relative_advantages(
     return advantages.expand(T, E, N).clone(), returns.expand(T, E, N).clone(), int(flat.all(-1).sum())
 
 
-CREDIT_MODES = {
-    "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): agent n's "
-           "reward on its last turn of the step, the rewards of agents that did not speak on the step's last turn, so a "
-           "reward flows back to every earlier turn and, with gamma = lambda = 1, the step's first turn returns the sum "
-           "of all N agents' rewards (N x R for a team reward R) however many turns the step took",
-    "equal": "every turn of a team step is credited with the team reward R (the mean of the agents' rewards), "
-             "however many turns the step took",
-    "step_discount": "a turn followed by j more layers of its step (one turn each, except a parallel graph layer) is "
-                     "credited with R x credit_discount^j: later turns get more; the only mode where a turn's credit "
-                     "depends on the turns taken after it (by design)",
-    "per_step": "every turn is credited with its own agent's reward from the environment (StepOutcome.rewards), "
-                "each of an agent's turns alike",
-}
-"""``--credit_assignment`` → how the environment's rewards become each turn's credit (the one table of modes).
-
-The environment grades a team step once and gives each of the N agents a reward (``agent_rewards (T, E, N)``);
-the team reward R is their mean. A step may take any number of turns (an orchestrator calling specialists,
-an agent speaking twice, one that never speaks), so every mode is defined over turns without counting them:
-with a critic, a turn's return within its step is its credit (``env``: the rewards still to come in the step);
-with GRPO, an agent's step credit is the mean of its turns' credits (``env``: the team return)."""
 
 
 def turn_credits(
@@ -363,3 +358,46 @@ def agent_step_credits(
         played = (agents >= 0).to(credits.dtype)
         absent = ((credits * played).sum(-1, keepdim=True) / played.sum(-1, keepdim=True).clamp(min=1)).expand_as(mean)
     return torch.where(turns > 0, mean, absent)
+
+
+def fill_action_advantages(buffer, gamma: float, gae_lambda: float, rewards: torch.Tensor | None = None) -> None:
+    """A rollout buffer's (:class:`~marft.rollout.buffer.RolloutBuffer`) action-level advantages and returns:
+    GAE along each env's turns on ``rewards`` (T, E, S) (default: the turns' own, ``buffer.rewards``)."""
+    buffer.advantages, buffer.returns = agent_chain_gae(
+        buffer.rewards if rewards is None else rewards, buffer.values, buffer.terminated, gamma, gae_lambda,
+        truncated=buffer.truncated, final_values=buffer.final_values, played=buffer.played, layers=buffer.layer,
+    )
+
+
+def fill_token_advantages(
+    buffer, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float, rewards: torch.Tensor | None = None
+) -> None:
+    """A rollout buffer's token-level advantages and returns: token-chain GAE on ``rewards``
+    (T, E, S) (default: the turns' own, ``buffer.rewards``); empty slots have no reply tokens, so the chain passes over them."""
+    buffer.token_advantages, buffer.token_returns = token_chain_gae(
+        buffer.rewards if rewards is None else rewards, buffer.token_values, buffer.response_mask, buffer.values[-1, :, 0], buffer.terminated,
+        gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=buffer.truncated, final_values=buffer.final_values,
+        layers=buffer.layer,
+    )
+
+
+def fill_group_advantages(
+    buffer, round_length: int, group_size: int, scale: bool, credits: torch.Tensor | None = None, mode: str = "equal",
+) -> int:
+    """A rollout buffer's critic-free advantages: every turn's advantage is its episode's group-relative return
+    (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, S) of
+    credit mode ``mode``, each agent's return sums its step credits, :func:`~marft.algorithms.advantages.agent_step_credits`:
+    the mean of its turns' credits in each step, so the number of turns does not count); ``returns`` hold the
+    episode returns. Returns how many groups had no return variance (their advantages are 0)."""
+    played = buffer.played
+    if credits is None:  # the team's return: one column, on every turn
+        advantages, returns, zero_variance = group_relative_advantages(buffer.agent_rewards, buffer.active, round_length, group_size, scale)
+        buffer.advantages = advantages[..., :1] * played
+        buffer.returns = returns[..., :1] * played
+        return zero_variance
+    spoke = (buffer.agent.unsqueeze(-1) == torch.arange(buffer.n_agents)).float()  # (T, E, S, N)
+    per_agent = agent_step_credits(credits, buffer.agent, buffer.n_agents, mode, buffer.agent_rewards)  # (T, E, N)
+    advantages, returns, zero_variance = group_relative_advantages(per_agent, buffer.active, round_length, group_size, scale, per_agent=True)
+    buffer.advantages = (spoke * advantages.unsqueeze(2)).sum(-1)  # (T, E, S): the turn's agent's column
+    buffer.returns = (spoke * returns.unsqueeze(2)).sum(-1)
+    return zero_variance

@@ -23,12 +23,13 @@ import torch
 
 from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.team import AgentTeam
-from marft.algorithms.advantages import chain_rewards, turn_credits
+from marft.algorithms.advantages import chain_rewards, fill_action_advantages, turn_credits
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss, normalize_logprobs
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
 from marft.faults import TrainingStopped
-from marft.runner.shared.buffer import RolloutBuffer, trim_batch
+from marft.rollout.buffer import RolloutBuffer
+from marft.types import TurnBatch
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +142,7 @@ class APPOTrainer:
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
         """Action level: GAE along the agent chain, one advantage per reply."""
-        buffer.compute_advantages(self.config.gamma, self.config.gae_lambda, self.chain_rewards(buffer))
+        fill_action_advantages(buffer, self.config.gamma, self.config.gae_lambda, self.chain_rewards(buffer))
 
     def chain_rewards(self, buffer: RolloutBuffer) -> torch.Tensor | None:
         """The rewards the agent chain's GAE runs on (``--credit_assignment``): the env's as they are (``env``),
@@ -153,34 +154,34 @@ class APPOTrainer:
         credits = buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
         return chain_rewards(credits, cfg.gamma, played=buffer.played, layers=buffer.layer)
 
-    def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
+    def loss_units(self, samples: TurnBatch, indices: torch.Tensor) -> float:
         """How many units the losses average over in rows ``indices``: replies at the action level. Gradient
         accumulation weights each chunk by its share of the minibatch's units, so the gradient does not
         depend on ``gradient_cp_steps``."""
         return float(len(indices))
 
-    def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def normalized_advantages(self, samples: TurnBatch) -> TurnBatch:
         """Standardise one adapter's advantages over its batch, all processes' rows together (when ``normalize_advantages``)."""
-        advantages = samples["advantages"]  # (B,)
+        advantages = samples.advantages  # (B,)
         stats = self.dist.mean_std(advantages) if self.config.normalize_advantages else None
         if stats is not None:
             mean, std = stats
             advantages = (advantages - mean) / (std + 1e-8)
-        return {**samples, "advantages": advantages}
+        return samples.replace(advantages=advantages)
 
-    def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def policy_loss(self, adapter: str, mb: TurnBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Clipped surrogate on whole-reply log-probs. Returns ``(policy_loss, entropy, stats)``."""
         cfg = self.config
         token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
-        mask = mb["response_mask"].float()
-        new_logp = normalize_logprobs(token_logp, mask, mb["n_words"], cfg.normalization_mode)  # (B,)
-        old_logp = normalize_logprobs(mb["logprobs"], mask, mb["n_words"], cfg.normalization_mode)  # (B,)
-        loss, stats = clipped_policy_loss(new_logp, old_logp, mb["advantages"], cfg.clip_param, clip_param_high=cfg.clip_param_high)
+        mask = mb.response_mask.float()
+        new_logp = normalize_logprobs(token_logp, mask, mb.n_words, cfg.normalization_mode)  # (B,)
+        old_logp = normalize_logprobs(mb.logprobs, mask, mb.n_words, cfg.normalization_mode)  # (B,)
+        loss, stats = clipped_policy_loss(new_logp, old_logp, mb.advantages, cfg.clip_param, clip_param_high=cfg.clip_param_high)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         self.add_reference_kl(token_logp, mb, stats)
         return loss, entropy, stats
 
-    def add_reference_kl(self, token_logp: torch.Tensor, mb: dict[str, torch.Tensor], stats: dict) -> None:
+    def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict) -> None:
         """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
         ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
         would move it into the advantages). Puts into ``stats`` the chunk's k3 SUM over its real tokens
@@ -190,50 +191,51 @@ class APPOTrainer:
         With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
         if self.config.kl_coef <= 0:
             return
-        mask = mb["response_mask"].float()  # (B, L)
-        log_ratio = (mb["ref_logprobs"] - token_logp) * mask  # (B, L)
+        mask = mb.response_mask.float()  # (B, L)
+        log_ratio = (mb.ref_logprobs - token_logp) * mask  # (B, L)
         k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
         stats["kl_token_sum"] = k3.sum()
         stats["kl_to_reference"] = k3.sum().detach() / mask.sum().clamp(min=1)
 
     @torch.no_grad()
-    def reference_logprobs(self, samples: dict[str, torch.Tensor], adapter: str | None = None) -> torch.Tensor:
+    def reference_logprobs(self, samples: TurnBatch, adapter: str | None = None) -> torch.Tensor:
         """``(B, L)`` log-probs of the sampled replies under the reference policy of ``adapter`` (``--kl_reference``):
         its frozen copy from the start of training (``initial``: :meth:`AgentTeam.add_reference_adapters`), or the
         base model (``base``: every adapter off, free with LoRA), in chunks of one gradient-accumulation chunk's
         size; zero at padding."""
-        n_samples, L = samples["response_ids"].shape
+        n_samples, L = samples.response_ids.shape
         size = max(1, math.ceil(n_samples / (self.config.num_mini_batch * self.config.gradient_cp_steps)))
         out = torch.zeros(n_samples, L)
         reference = self.team.reference_adapters.get(adapter) if adapter is not None else None
         route = reference or self.team.policy_adapters[0]
         for rows in torch.arange(n_samples).split(size):
-            mb = trim_batch({k: samples[k][rows] for k in ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask")}, self.team.device)
+            mb = TurnBatch(agent=samples.agent, prompt_ids=samples.prompt_ids, prompt_mask=samples.prompt_mask, response_ids=samples.response_ids,
+                           response_mask=samples.response_mask).rows(rows).trimmed(self.team.device)
             with self.team.bank.reference_policy() if reference is None else nullcontext():
                 scores = self.team.response_logprobs(
-                    route, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], agents=mb["agent"]
+                    route, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agents=mb.agent
                 )
             out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
         return out
 
-    def score_replies(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def score_replies(self, adapter: str, mb: TurnBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The current policy's token log-probs and entropies of the minibatch's replies, ``(B, L)`` each;
         sampled tokens outside the current top-k are counted (``out_of_topk_tokens``). Each role header runs
         once per minibatch chunk; the entropy is in the graph only when ``entropy_coef`` weighs it in the loss."""
         scores = self.team.response_logprobs(
-            adapter, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], with_entropy=True,
-            agents=mb["agent"], entropy_grad=self.config.entropy_coef != 0 or self.config.target_entropy is not None,
+            adapter, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, with_entropy=True,
+            agents=mb.agent, entropy_grad=self.config.entropy_coef != 0 or self.config.target_entropy is not None,
         )
         self.counters["out_of_topk_tokens"] += scores.out_of_topk
         self.scored_positions[0] += scores.positions
         self.scored_positions[1] += scores.padding
         return scores.logprobs, scores.entropy
 
-    def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
+    def value_loss(self, mb: TurnBatch, critic: str | None = None) -> torch.Tensor:
         """Clipped value loss of the prompt values under ``critic`` (default: the shared one)."""
         cfg = self.config
-        values = self.team.critic.values(mb["prompt_ids"], mb["prompt_mask"], agent=mb["agent"], critic=critic)  # (B,)
-        return clipped_value_loss(values, mb["values"], mb["returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
+        values = self.team.critic.values(mb.prompt_ids, mb.prompt_mask, agent=mb.agent, critic=critic)  # (B,)
+        return clipped_value_loss(values, mb.values, mb.returns, cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
 
     # ------------------------------------------------------------------ update
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
@@ -268,15 +270,15 @@ class APPOTrainer:
             self.counters["out_of_topk_tokens"] = out_of_topk + int(counted)
         return metrics
 
-    def _row_share(self, samples: dict[str, torch.Tensor]) -> tuple[int, int, bool]:
+    def _row_share(self, samples: TurnBatch) -> tuple[int, int, bool]:
         """``(offset, total, equal)``: where this process's rows start in the union of all processes' rows (rank 0's
         first), how many rows the union has, and whether every process holds as many (one all-reduce;
         ``(0, n, True)`` with one process)."""
-        n_samples = samples["prompt_ids"].shape[0]
+        n_samples = samples.prompt_ids.shape[0]
         counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
         return int(sum(counts[: self.dist.rank])), int(sum(counts)), len(set(counts)) == 1
 
-    def _minibatches(self, samples: dict[str, torch.Tensor], chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
+    def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
         units and the reply tokens (the reference KL's units) of each minibatch summed over processes.
         Returns ``[(chunks, units, kl_units)]``.
@@ -290,7 +292,7 @@ class APPOTrainer:
         minibatch on the union. A minibatch's
         rows are sorted by length before it is cut into chunks: each chunk then holds rows of similar lengths and
         pays for less padding (the minibatch's gradient, their sum, is the same)."""
-        n_samples = samples["prompt_ids"].shape[0]
+        n_samples = samples.prompt_ids.shape[0]
         offset, total, equal = self._row_share(samples)
         if equal:  # every process shuffles its own rows: as many minibatches everywhere, no broadcast
             minibatches = list(torch.randperm(n_samples).split(max(1, math.ceil(n_samples / self.config.num_mini_batch))))
@@ -302,14 +304,14 @@ class APPOTrainer:
         budget = self.config.max_chunk_tokens
         header_lengths = self._header_lengths(samples) if budget is not None else None
         if chunks_per_minibatch > 1 or budget is not None:
-            lengths = samples["prompt_mask"].sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
-            if "response_mask" in samples:
-                lengths = lengths + samples["response_mask"].sum(-1)
+            lengths = samples.prompt_mask.sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
+            if samples.response_mask is not None:
+                lengths = lengths + samples.response_mask.sum(-1)
             minibatches = [indices[lengths[indices].argsort(stable=True)] for indices in minibatches]
-        with_kl = self.config.kl_coef > 0 and "response_mask" in samples
+        with_kl = self.config.kl_coef > 0 and samples.response_mask is not None
         counts = [self.loss_units(samples, indices) for indices in minibatches]
         if with_kl:
-            counts += [float(samples["response_mask"][indices].sum()) for indices in minibatches]
+            counts += [float(samples.response_mask[indices].sum()) for indices in minibatches]
         counts = self.dist.sum_floats(counts)  # one all-reduce: [units of each minibatch, (its reply tokens)]
         units = counts[: len(minibatches)]
         kl_units = counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
@@ -327,27 +329,27 @@ class APPOTrainer:
             for indices, u, k in zip(minibatches, units, kl_units)
         ]
 
-    def _header_lengths(self, samples: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    def _header_lengths(self, samples: TurnBatch) -> torch.Tensor | None:
         """``(n,)`` each row's role-header tokens when the forward shares the headers (rows of several agents are
         then laid out as ``[longest header][longest rest]``), else None."""
         headers = self.team.headers
-        if "agent" not in samples or not headers.sharable:
+        if samples.agent is None or not headers.sharable:
             return None
         lengths = torch.tensor([len(ids) for ids in headers.header_ids])  # (n_agents,)
-        return lengths[samples["agent"].long()]
+        return lengths[samples.agent.long()]
 
     @staticmethod
     def _token_budget_split(
-        samples: dict[str, torch.Tensor], chunk: torch.Tensor, budget: int, header_lengths: torch.Tensor | None = None
+        samples: TurnBatch, chunk: torch.Tensor, budget: int, header_lengths: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
         """Cut ``chunk`` (row indices, in order) into consecutive parts whose padded tokens stay within ``budget``;
         a row longer than the budget on its own is a part by itself. A part's forward is ``rows x (longest prompt +
-        longest reply)`` as :func:`trim_batch` leaves it, or, with ``header_lengths (n,)`` (rows behind shared role
+        longest reply)`` as :meth:`TurnBatch.trimmed` leaves it, or, with ``header_lengths (n,)`` (rows behind shared role
         headers of different lengths), ``rows x (longest header + longest prompt after its header + longest
         reply)``. The parts' losses keep their weights (each part's units over the minibatch's), so the
         minibatch's gradient is the same."""
-        prompt = samples["prompt_mask"][chunk].sum(-1).tolist()  # (n,) real prompt tokens per row
-        reply = samples["response_mask"][chunk].sum(-1).tolist() if "response_mask" in samples else [0] * len(prompt)
+        prompt = samples.prompt_mask[chunk].sum(-1).tolist()  # (n,) real prompt tokens per row
+        reply = samples.response_mask[chunk].sum(-1).tolist() if samples.response_mask is not None else [0] * len(prompt)
         header = header_lengths[chunk].tolist() if header_lengths is not None else [0] * len(prompt)
         parts, start, widest = [], 0, (0, 0, 0)
         for i, row in enumerate(zip(header, (p - h for p, h in zip(prompt, header)), reply)):
@@ -400,7 +402,7 @@ class APPOTrainer:
         optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
-    def update_policy(self, adapter: str, samples: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_policy(self, adapter: str, samples: TurnBatch) -> dict[str, float]:
         """PPO epochs of ``adapter`` over its agents' turns. ``samples`` holds tensors with a leading dim of
         T·E per agent that acts with the adapter."""
         cfg, team = self.config, self.team
@@ -411,7 +413,7 @@ class APPOTrainer:
         team.set_active(adapter, trainable=True)
         samples = self.normalized_advantages(samples)
         if cfg.kl_coef > 0:
-            samples["ref_logprobs"] = self.reference_logprobs(samples, adapter)
+            samples.ref_logprobs = self.reference_logprobs(samples, adapter)
         stats = defaultdict(list)
         self.scored_positions = [0, 0]
         for _ in range(cfg.ppo_epoch):
@@ -420,7 +422,7 @@ class APPOTrainer:
                 loss_ok = True
                 with team.headers.shared_over_chunks():  # each role header: one forward and backward per minibatch
                     for chunk in chunks:
-                        mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
+                        mb = samples.rows(chunk).trimmed(team.device)
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
                         loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
                         kl_sum = pstats.pop("kl_token_sum", None)
@@ -463,7 +465,7 @@ class APPOTrainer:
         step = cfg.entropy_coef_step if total / count < cfg.target_entropy else -cfg.entropy_coef_step
         self.entropy_coefs[adapter] = max(0.0, self.entropy_coefs[adapter] + step)
 
-    def update_critic(self, samples: dict[str, torch.Tensor], critic: str = CRITIC_ADAPTER) -> dict[str, float]:
+    def update_critic(self, samples: TurnBatch, critic: str = CRITIC_ADAPTER) -> dict[str, float]:
         """Value-loss epochs of ``critic`` over the turns it values (the centralized critic: every agent's).
 
         A critic of n agents has n times as many turns as one agent; its minibatches are cut into n times as
@@ -480,7 +482,7 @@ class APPOTrainer:
                 loss_ok = True
                 with team.headers.shared_over_chunks():
                     for chunk in chunks:
-                        mb = trim_batch({k: v[chunk] for k, v in samples.items()}, team.device)
+                        mb = samples.rows(chunk).trimmed(team.device)
                         value_loss = self.value_loss(mb, critic)
                         loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)
                         if not torch.isfinite(loss):
@@ -490,10 +492,10 @@ class APPOTrainer:
                         stats["value_loss"].append(value_loss.item())
                 stats["grad_norm"].append(self._step(self.critic_optimizers[critic], params, loss_ok, critic))
         if self.token_level:
-            real = samples["response_mask"].bool()
-            returns, values = samples["token_returns"][real], samples["token_values"][real]
+            real = samples.response_mask.bool()
+            returns, values = samples.token_returns[real], samples.token_values[real]
         else:
-            returns, values = samples["returns"], samples["values"]
+            returns, values = samples.returns, samples.values
         explained = self._explained_variance(returns, values)
         return {
             f"{critic}/value_loss": _nanmean(stats["value_loss"]),

@@ -1,7 +1,7 @@
 """Critic-free, group-relative team training (``--algorithm_name GRPO``), as MAGRPO and AT-GRPO train LLM teams.
 
 The runner plays groups: ``--group_size`` G environments reset on the same task play one whole episode
-each (:meth:`~marft.runner.shared.runner.Runner.collect`). Every turn of an episode gets the episode's
+each (:meth:`~marft.training.runner.Runner.collect`). Every turn of an episode gets the episode's
 team return minus its group's mean, divided by the group's standard deviation
 (:func:`~marft.algorithms.advantages.group_relative_advantages`; ``--grpo_scale_rewards false``: centred
 only). A group whose returns are all equal teaches nothing; its advantages are 0 and it is counted
@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from marft.algorithms.advantages import fill_group_advantages
 from marft.algorithms.appo_trainer import APPOTrainer, buffer_credits
 from marft.algorithms.losses import clipped_policy_loss
-from marft.runner.shared.buffer import RolloutBuffer
+from marft.rollout.buffer import RolloutBuffer
+from marft.types import TurnBatch
 
 
 class GRPOTrainer(APPOTrainer):
@@ -47,27 +49,27 @@ class GRPOTrainer(APPOTrainer):
         an episode's number of turns does not count)."""
         cfg = self.config
         credits = None if cfg.credit_assignment == "env" else buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
-        self.counters["zero_variance_groups"] += buffer.compute_group_advantages(
-            self.round_length, cfg.group_size, cfg.grpo_scale_rewards, credits, mode=cfg.credit_assignment
+        self.counters["zero_variance_groups"] += fill_group_advantages(
+            buffer, self.round_length, cfg.group_size, cfg.grpo_scale_rewards, credits, mode=cfg.credit_assignment
         )
 
-    def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def normalized_advantages(self, samples: TurnBatch) -> TurnBatch:
         """Group-relative advantages are already normalised (per group): used as they are."""
         return samples
 
-    def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
+    def loss_units(self, samples: TurnBatch, indices: torch.Tensor) -> float:
         """Replies, or real reply tokens for the per-token loss."""
         if self.per_token:
-            return float(samples["response_mask"][indices].sum())
+            return float(samples.response_mask[indices].sum())
         return float(len(indices))
 
-    def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def policy_loss(self, adapter: str, mb: TurnBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if not self.per_token:
             return super().policy_loss(adapter, mb)
         token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
-        mask = mb["response_mask"].float()
-        advantages = mb["advantages"].unsqueeze(-1).expand_as(token_logp)  # (B, L): the reply's advantage on each token
-        loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
+        mask = mb.response_mask.float()
+        advantages = mb.advantages.unsqueeze(-1).expand_as(token_logp)  # (B, L): the reply's advantage on each token
+        loss, stats = clipped_policy_loss(token_logp, mb.logprobs, advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
         self.add_reference_kl(token_logp, mb, stats)
         return loss, entropy, stats

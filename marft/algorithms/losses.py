@@ -6,21 +6,20 @@ import torch
 import torch.nn.functional as F
 
 
-NORMALIZATION_MODES = {
+NORMALIZERS = {
     "sum": lambda total, mask, n_words: total,
     "token": lambda total, mask, n_words: total / mask.sum(-1).clamp(min=1),
     "word": lambda total, mask, n_words: total / n_words.clamp(min=1),
 }
-"""``--normalization_mode`` → how a reply's log-prob is formed from its summed token log-probs: the plain
-``sum``, the mean per ``token``, or the sum per ``word`` of the decoded reply. The one table of modes
-(``--help``, validation and the benchmark read it)."""
+"""``--normalization_mode`` (:data:`marft.choices.NORMALIZATION_MODES`) → how a reply's log-prob is formed from
+its summed token log-probs: the plain ``sum``, the mean per ``token``, or the sum per ``word`` of the decoded reply."""
 
 
 def normalize_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, n_words: torch.Tensor, mode: str) -> torch.Tensor:
-    """An action's log-prob from its tokens' ``(B, L)`` by :data:`NORMALIZATION_MODES` ``[mode]``. → (B,)."""
-    if mode not in NORMALIZATION_MODES:
-        raise ValueError(f"unknown normalization mode {mode!r}; known: {', '.join(NORMALIZATION_MODES)}")
-    return NORMALIZATION_MODES[mode]((token_logprobs * mask).sum(-1), mask, n_words)
+    """An action's log-prob from its tokens' ``(B, L)`` by :data:`NORMALIZERS` ``[mode]``. → (B,)."""
+    if mode not in NORMALIZERS:
+        raise ValueError(f"unknown normalization mode {mode!r}; known: {', '.join(NORMALIZERS)}")
+    return NORMALIZERS[mode]((token_logprobs * mask).sum(-1), mask, n_words)
 
 
 def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None, clip_param_high: float | None = None):

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from marft.algorithms.advantages import chain_rewards
+from marft.algorithms.advantages import chain_rewards, fill_token_advantages
 from marft.algorithms.appo_trainer import APPOTrainer, buffer_credits
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss
-from marft.runner.shared.buffer import RolloutBuffer
+from marft.rollout.buffer import RolloutBuffer
+from marft.types import TurnBatch
 
 
 class TPPOTrainer(APPOTrainer):
@@ -23,7 +24,7 @@ class TPPOTrainer(APPOTrainer):
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
         cfg = self.config
-        buffer.compute_token_advantages(cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda, self.chain_rewards(buffer))
+        fill_token_advantages(buffer, cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda, self.chain_rewards(buffer))
 
     def chain_rewards(self, buffer: RolloutBuffer) -> torch.Tensor | None:
         """As :meth:`APPOTrainer.chain_rewards`, on the token chain: a reply's credit is its return at its last
@@ -38,35 +39,35 @@ class TPPOTrainer(APPOTrainer):
         reach = cfg.token_gamma ** (lengths - 1).clamp(min=0).to(credits.dtype)  # (T, E, S)
         return chain_rewards(credits, cfg.gamma, played=buffer.played & (lengths > 0), layers=buffer.layer, reach=reach)
 
-    def loss_units(self, samples: dict[str, torch.Tensor], indices: torch.Tensor) -> float:
+    def loss_units(self, samples: TurnBatch, indices: torch.Tensor) -> float:
         """The token-level losses average over real reply tokens: chunks are weighted by their token count."""
-        return float(samples["response_mask"][indices].sum())
+        return float(samples.response_mask[indices].sum())
 
-    def normalized_advantages(self, samples: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def normalized_advantages(self, samples: TurnBatch) -> TurnBatch:
         """Standardise token advantages over the real tokens of one agent's batch (all processes' tokens together)."""
-        advantages, mask = samples["token_advantages"], samples["response_mask"].bool()  # (B, L)
+        advantages, mask = samples.token_advantages, samples.response_mask.bool()  # (B, L)
         stats = self.dist.mean_std(advantages[mask]) if self.config.normalize_advantages else None
         if stats is not None:
             mean, std = stats
             advantages = torch.where(mask, (advantages - mean) / (std + 1e-8), torch.zeros_like(advantages))
-        return {**samples, "token_advantages": advantages}
+        return samples.replace(token_advantages=advantages)
 
-    def policy_loss(self, adapter: str, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def policy_loss(self, adapter: str, mb: TurnBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Per-token clipped surrogate and entropy, averaged over real tokens. ``mb`` tensors are (B, L)."""
         token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
-        mask = mb["response_mask"].float()
-        loss, stats = clipped_policy_loss(token_logp, mb["logprobs"], mb["token_advantages"], self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
+        mask = mb.response_mask.float()
+        loss, stats = clipped_policy_loss(token_logp, mb.logprobs, mb.token_advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
         self.add_reference_kl(token_logp, mb, stats)
         return loss, entropy, stats
 
-    def value_loss(self, mb: dict[str, torch.Tensor], critic: str | None = None) -> torch.Tensor:
+    def value_loss(self, mb: TurnBatch, critic: str | None = None) -> torch.Tensor:
         """Clipped value loss of every real reply token's value under ``critic`` (default: the shared one)."""
         cfg = self.config
         values = self.team.critic.token_values(
-            mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"], agent=mb["agent"], critic=critic
+            mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agent=mb.agent, critic=critic
         )  # (B, L)
         return clipped_value_loss(
-            values, mb["token_values"], mb["token_returns"], cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta,
-            weights=mb["response_mask"].float(),
+            values, mb.token_values, mb.token_returns, cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta,
+            weights=mb.response_mask.float(),
         )

@@ -1,7 +1,7 @@
 """The base class of marft environments: a team of text agents taking turns on one task.
 
 One *team step* takes one reply from every agent (in profile order, or as the env's workflow says: a graph,
-an orchestrator, see :mod:`marft.workflows`). The observation is the shared history as text (see ``marft.prompting``)::
+an orchestrator, see :mod:`marft.envs.workflows`). The observation is the shared history as text (see ``marft.prompting``)::
 
     Problem: <problem>
     <Role 1>: <reply>          # step 1
@@ -45,7 +45,7 @@ import numpy as np
 from gymnasium import spaces
 
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
-from marft.workflows import StepTurns, Workflow, sequential
+from marft.envs.workflows import StepTurns, Workflow, sequential
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class MultiAgentTextEnv(gym.Env):
         self.episode: EpisodeState | None = None
         self.reward_failures = 0  # steps whose ``evaluate`` raised (reward 0, logged)
         self.workflow: Workflow = sequential(self.roles)
-        """Who speaks when within a team step (:mod:`marft.workflows`); the runner sets the profile's (:meth:`set_workflow`)."""
+        """Who speaks when within a team step (:mod:`marft.envs.workflows`); the runner sets the profile's (:meth:`set_workflow`)."""
         self.turns: StepTurns = self.workflow.start()
         """The team step in progress, turn by turn."""
 

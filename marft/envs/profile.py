@@ -5,7 +5,7 @@ A profile is a JSON list with one entry per agent, in speaking order::
     [{"role": "Reasoner", "prompt": "You are ...", "with_answer": false},
      {"role": "Actor",    "prompt": "... \\\\boxed{answer}.", "with_answer": true}]
 
-or an object that also describes the workflow (:mod:`marft.workflows`): a graph of roles, where a node
+or an object that also describes the workflow (:mod:`marft.envs.workflows`): a graph of roles, where a node
 speaks after its parents and nodes without an edge between them speak in parallel on the same history::
 
     {"agents": [...], "graph": {"nodes": ["Solver A", "Solver B", "Verifier"],
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from marft.prompting import HOST_ROLE, JUDGE_ROLE
-from marft.workflows import topological_layers
+from marft.envs.workflows import topological_layers
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 

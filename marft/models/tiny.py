@@ -405,7 +405,7 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
     Args:
         cache_dir: default ``$MARFT_CACHE`` or ``~/.cache/marft``.
         rebuild: build again even when cached.
-        recipe: what to build (its name and hash name the folder; :func:`embedded_recipe` gives the shipped ones).
+        recipe: what to build (its name and hash name the folder; :data:`marft.models.loading.EMBEDDED_RECIPES` holds the shipped ones).
     """
     root = Path(cache_dir or os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
     root.mkdir(parents=True, exist_ok=True)
@@ -428,10 +428,3 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
         os.replace(tmp, final)
         logger.info("built the embedded model %s in %.0fs", recipe.name, time.perf_counter() - start)
     return str(final)
-
-
-def embedded_recipe(name: str) -> TinyRecipe | None:
-    """The recipe of a shipped embedded model (``marft-tiny``, ``marft-tiny-instruct``), None for any other name."""
-    from marft.models.tiny_instruct import InstructRecipe
-
-    return {recipe.name: recipe for recipe in (TinyRecipe(), InstructRecipe())}.get(name)

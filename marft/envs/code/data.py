@@ -22,15 +22,12 @@ from __future__ import annotations
 import gzip
 import importlib.resources
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from marft.envs.code.generated import GENERATED, generate_tasks
 from marft.envs.code.problem import CodeProblem
-from marft.envs.math.data import _raw_rows, resolve_dataset_file
-
-logger = logging.getLogger(__name__)
+from marft.envs.datasets import read_rows, resolve_dataset_file
 
 HUMANEVAL = "humaneval"
 
@@ -167,21 +164,8 @@ def read_code_file(path: str | Path, strict: bool = False) -> CodeProblemSet:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file {path} not found; pass a DeepCoder-style JSON/JSONL file, '{HUMANEVAL}' or '{GENERATED}'")
-    result = CodeProblemSet(source=str(path))
-    for where, raw in _raw_rows(path):
-        problem, reason = deepcoder_problem(raw, where) if raw is not None else (None, "invalid JSON")
-        if problem is None:
-            if strict:
-                raise ValueError(f"{path}: {where}: {reason}")
-            result.skipped.append(f"{where} ({reason})")
-        else:
-            result.problems.append(problem)
-    if result.skipped:
-        shown = ", ".join(result.skipped[:10]) + (" ..." if len(result.skipped) > 10 else "")
-        logger.warning("%s: skipped %d unusable rows: %s", path, len(result.skipped), shown)
-    if not result.problems:
-        raise ValueError(f"dataset {path} has no usable problems ({len(result.skipped)} rows skipped); each row needs a problem and tests")
-    return result
+    problems, skipped = read_rows(path, deepcoder_problem, strict, "", "each row needs a problem and tests")
+    return CodeProblemSet(problems=problems, skipped=skipped, source=str(path))
 
 
 def load_code_problems(path_or_name: str | Path = GENERATED, split: str = "train", strict: bool = False, **generator_kwargs) -> CodeProblemSet:

@@ -664,6 +664,14 @@ def serve(job, req_fd, resp_fd, libc, log=None):
         reply({**outcome, "status": "output_limit"} if over else outcome)
         if outcome["status"] != "ok" or over:
             return
+    answer_requests(job, code, namespace, req_fd, reply, limit, pid1)
+
+
+def answer_requests(job, code, namespace, req_fd, reply, limit, pid1):
+    """The candidate's request loop (:func:`serve`): run the program on a stdin, evaluate a test expression, or call
+    the entry point, each under :func:`run_guarded` with its output captured and capped at ``limit`` bytes; every
+    process the program left is killed before the answer goes back through ``reply``. Ends when the driver closes
+    the pipe."""
     while True:
         request = read_frame_blocking(req_fd)
         if request is None:

@@ -11,15 +11,14 @@ The name ``"arithmetic"`` generates the arithmetic dataset instead of reading a 
 
 from __future__ import annotations
 
-import json
-import logging
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from marft.envs.datasets import read_rows, resolve_dataset_file
 from marft.envs.math.arithmetic import generate_arithmetic
 from marft.envs.math.grader import last_boxed
 
-logger = logging.getLogger(__name__)
 
 ARITHMETIC = "arithmetic"
 
@@ -65,34 +64,6 @@ def _clean_row(row: object) -> tuple[dict | None, str]:
     return {"problem": problem.strip(), "answer": answer}, ""
 
 
-def _raw_rows(path: Path) -> list[tuple[str, object]]:
-    """``(location, decoded row or None if undecodable)`` for every row of a JSON or JSONL file.
-
-    ``.jsonl`` files are read line by line; anything else must be one JSON list.
-    """
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"dataset file {path} is not UTF-8 text (byte {error.start}: {error.reason}); expected JSON or JSONL") from None
-    if path.suffix != ".jsonl":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); expected a list of rows, or name it .jsonl") from None
-        if not isinstance(data, list):
-            raise ValueError(f"{path} holds a JSON {type(data).__name__}; expected a list of rows")
-        return [(f"entry {i + 1}", row) for i, row in enumerate(data)]
-    rows: list[tuple[str, object]] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append((f"line {n}", json.loads(line)))
-        except json.JSONDecodeError:
-            rows.append((f"line {n}", None))
-    return rows
-
-
 def read_problem_file(path: str | Path, strict: bool = False) -> ProblemSet:
     """Read a JSON/JSONL dataset, keeping usable rows and recording skipped ones.
 
@@ -112,35 +83,11 @@ def read_problem_file(path: str | Path, strict: bool = False) -> ProblemSet:
         raise FileNotFoundError(
             f"dataset file {path} not found; pass a JSON/JSONL file with 'problem' and 'answer' fields, or '{ARITHMETIC}'"
         )
-    problems = ProblemSet(source=str(path))
-    for where, raw in _raw_rows(path):
-        row, reason = _clean_row(raw) if raw is not None else (None, "invalid JSON")
-        if row is None:
-            if strict:
-                raise ValueError(f"{path}: {where}: {reason}; each row needs 'problem' and 'final_answer'/'answer'/'solution'")
-            problems.skipped.append(f"{where} ({reason})")
-        else:
-            problems.rows.append(row)
-    if problems.skipped:
-        shown = ", ".join(problems.skipped[:10]) + (" ..." if len(problems.skipped) > 10 else "")
-        logger.warning("%s: skipped %d unusable rows: %s", path, len(problems.skipped), shown)
-    if not problems.rows:
-        raise ValueError(
-            f"dataset {path} has no usable problems ({len(problems.skipped)} rows skipped); "
-            "each row needs 'problem' and 'final_answer', 'answer', or a 'solution' with \\boxed{}"
-        )
-    return problems
-
-
-def resolve_dataset_file(path: str | Path, split: str) -> Path:
-    """A file path as is; for a directory, its ``<split>.jsonl`` or ``<split>.json``."""
-    path = Path(path)
-    if path.is_dir():
-        for candidate in (path / f"{split}.jsonl", path / f"{split}.json"):
-            if candidate.is_file():
-                return candidate
-        raise FileNotFoundError(f"dataset folder {path} has no {split}.jsonl or {split}.json; pass the file itself")
-    return path
+    rows, skipped = read_rows(
+        path, lambda row, where: _clean_row(row), strict, "; each row needs 'problem' and 'final_answer'/'answer'/'solution'",
+        "each row needs 'problem' and 'final_answer', 'answer', or a 'solution' with \\boxed{}",
+    )
+    return ProblemSet(rows=rows, skipped=skipped, source=str(path))
 
 
 def load_problem_set(path_or_name: str | Path, split: str = "train", strict: bool = False, **arithmetic_kwargs) -> ProblemSet:
@@ -153,7 +100,19 @@ def load_problem_set(path_or_name: str | Path, split: str = "train", strict: boo
         return ProblemSet(rows=generate_arithmetic(split, **arithmetic_kwargs), source=ARITHMETIC)
     if arithmetic_kwargs:
         raise TypeError(f"unexpected arguments for a dataset file: {sorted(arithmetic_kwargs)}")
-    return read_problem_file(resolve_dataset_file(path_or_name, split), strict=strict)
+    path = resolve_dataset_file(path_or_name, split)
+    if not path.is_file():
+        return read_problem_file(path, strict=strict)  # its error names the missing file
+    stat = path.stat()
+    loaded = _read_problem_file_once(str(path.resolve()), stat.st_mtime_ns, stat.st_size, strict)
+    return ProblemSet(rows=list(loaded.rows), skipped=list(loaded.skipped), source=str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_problem_file_once(path: str, mtime_ns: int, size: int, strict: bool) -> ProblemSet:
+    """A dataset file read once per process (every env of a run holds the same rows); a changed file
+    (another modification time or size) is read again."""
+    return read_problem_file(path, strict=strict)
 
 
 def load_problems(path_or_name: str | Path, split: str = "train", strict: bool = False, **arithmetic_kwargs) -> list[dict]:

@@ -18,7 +18,7 @@ from typing import Protocol
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.math.data import ARITHMETIC, load_problem_set
 from marft.envs.math.grader import default_grader, last_boxed
-from marft.envs.profile import AgentSpec, answer_agent_index, load_profile
+from marft.envs.profile import AgentSpec, answer_agent_index, team_profile
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +63,7 @@ class MathEnv(MultiAgentTextEnv):
         feedback: str = DEFAULT_FEEDBACK,
         **dataset_kwargs,
     ):
-        if isinstance(profile, list):
-            if n_agents is not None and len(profile) != n_agents:
-                raise ValueError(f"profile has {len(profile)} agents but --n_agents is {n_agents}")
-            self.profile = list(profile)
-        else:
-            if profile is None and n_agents is None:
-                n_agents = 2
-            self.profile = load_profile(profile, n_agents=n_agents)
+        self.profile = team_profile(profile, n_agents=2 if profile is None and n_agents is None else n_agents)
         super().__init__([spec.role for spec in self.profile], horizon=horizon)
         self.answer_index: int = answer_agent_index(self.profile)
         if problems is not None:

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
-from marft.workflows import StepTurns
+from marft.envs.workflows import StepTurns
 
 
 class TeamDiagnostics:

@@ -22,17 +22,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from marft.choices import WORKFLOWS
 from marft.prompting import HOST_ROLE, handover_text
 
 CALL_TAG = re.compile(r"<call>\s*(.*?)\s*</call>", re.DOTALL)
 DONE_TAG = re.compile(r"<done\s*/>")
-WORKFLOWS = {
-    "auto": "what the profile describes: a graph, an orchestrator, or the profile order",
-    "sequential": "every agent once per team step, in profile order (a profile with a graph or an orchestrator is refused)",
-    "graph": "a DAG of roles from the profile's 'graph'; nodes of one layer speak in parallel on the same history",
-    "orchestrated": "an orchestrator agent (the profile's 'orchestrator') calls specialists with <call>Role</call> and ends with <done/>",
-}
-"""``--workflow`` → what it plays (the one table of workflows)."""
 
 
 @dataclass

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from marft.agents.team import AgentTeam, TurnOutput
+from marft.agents.team import AgentTeam
+from marft.types import TurnOutput
 
 
 @dataclass

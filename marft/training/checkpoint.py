@@ -39,7 +39,7 @@ from safetensors.torch import load_file, save_file
 from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.team import AgentTeam
 from marft.faults import CheckpointError, CheckpointWriteError
-from marft.runner.shared.storage import describe_write_error, free_bytes, human_bytes
+from marft.training.storage import describe_write_error, free_bytes, human_bytes
 
 logger = logging.getLogger(__name__)
 

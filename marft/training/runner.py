@@ -7,9 +7,9 @@ With several processes (:mod:`marft.distributed`) every process runs this loop o
 environments; rank 0 alone writes the run directory (config, TensorBoard, progress bar, summary,
 checkpoints), with metrics averaged over the processes, and every process resumes from the checkpoint.
 
-Stops from outside (:mod:`marft.runner.shared.preemption`): SIGTERM/SIGINT end the run at the next phase
+Stops from outside (:mod:`marft.training.preemption`): SIGTERM/SIGINT end the run at the next phase
 boundary with one checkpoint (a half-done rollout is rewound), and checkpoints are also saved by time.
-Write errors (:mod:`marft.runner.shared.storage`) stop the run cleanly or, if asked, only warn.
+Write errors (:mod:`marft.training.storage`) stop the run cleanly or, if asked, only warn.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveFailed, TrainingStopped, oom_message
-from marft.runner.shared.buffer import RolloutBuffer
-from marft.runner.shared.diagnostics import TeamDiagnostics, write_transcripts
-from marft.runner.shared.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
-from marft.runner.shared.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
-from marft.runner.shared.turns import play_team_step
-from marft.runner.shared.checkpoint import (
+from marft.rollout.buffer import RolloutBuffer
+from marft.training.diagnostics import TeamDiagnostics, write_transcripts
+from marft.training.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
+from marft.training.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
+from marft.rollout.turns import play_team_step
+from marft.training.checkpoint import (
     cleanup_partial_checkpoints,
     config_changes,
     find_checkpoint,
@@ -46,7 +46,7 @@ from marft.runner.shared.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from marft.workflows import OrchestratedWorkflow
+from marft.envs.workflows import OrchestratedWorkflow
 
 ORCHESTRATOR_INVALID = "orchestrator_invalid"
 """The trainer counter of orchestrator replies (training rollouts) with neither a known call nor ``<done/>``."""
@@ -79,7 +79,7 @@ class Runner:
         self.checkpoint_dir = self.run_dir / "checkpoints"
         self.last_checkpoint: Path | None = None  # the newest checkpoint saved or resumed from (to point to on a stop)
         self.preemption = Preemption(config.runner.save_interval, config.runner.save_every_minutes, dist)
-        """SIGTERM/SIGINT handling and the periodic-save clock (:mod:`marft.runner.shared.preemption`)."""
+        """SIGTERM/SIGINT handling and the periodic-save clock (:mod:`marft.training.preemption`)."""
         self.writer = self._open_writer()
         if dist.is_main:
             self._write_file(self.run_dir / "config.json", config.to_json())
@@ -112,7 +112,7 @@ class Runner:
     def _write_failed(self, what: str, error: BaseException) -> None:
         """A log or file could not be written: stop cleanly (:class:`SaveFailed`, exit code 74) or, with
         ``--continue_on_save_error``, warn and go on without it."""
-        from marft.runner.shared.storage import describe_write_error, free_bytes, human_bytes
+        from marft.training.storage import describe_write_error, free_bytes, human_bytes
 
         message = f"could not write {what}: {describe_write_error(error)}; {human_bytes(free_bytes(self.run_dir))} free there"
         if self.config.runner.continue_on_save_error:
@@ -175,8 +175,10 @@ class Runner:
             invalid = self.diagnostics.count_step([bases[e].turns for e in rows])
             if ORCHESTRATOR_INVALID in trainer.counters:  # a counter the trainer checkpoints, so it survives a resume
                 trainer.counters[ORCHESTRATOR_INVALID] += invalid
-            # 2. the envs grade the step; finished episodes restart in the same call
-            self.obs, rewards, terminated, truncated, infos = self.envs.step([None] * E, active=None if live.all() else live)
+            # 2. the envs grade the step's replies (through step(actions), so wrappers see them); finished episodes
+            # restart in the same call
+            actions = [bases[e].turn_actions() if live[e] else None for e in range(E)]
+            self.obs, rewards, terminated, truncated, infos = self.envs.step(actions, active=None if live.all() else live)
             buffer.insert_step(step, rewards, terminated, truncated)
             if truncated.any() and trainer.uses_critic:  # a truncated episode bootstraps from its final observation's value
                 buffer.final_values[step] = self._final_values(infos, truncated)
@@ -417,47 +419,78 @@ class Runner:
         with self.preemption:  # SIGTERM/SIGINT: finish the phase, save, raise Preempted
             return self._run()
 
+    PHASES = ("collect", "advantages", "update", "log", "checkpoint", "evaluate")
+    """One iteration's phases, in order (:meth:`_iteration`): the first three are timed in the logs
+    (``charts/rollout_seconds``, ``charts/advantages_seconds``, ``charts/update_seconds``), and a stop signal is
+    answered between phases (during the rollout, by rewinding it)."""
+
     def _run(self) -> dict:
-        rc = self.config.runner
-        if rc.load_path:
-            self.restore(rc.load_path)
-        before = self.evaluate()
-        calls_before = self.diagnostics.call_distribution()
-        self._log_eval(before, self.start_iteration)
+        if self.config.runner.load_path:
+            self.restore(self.config.runner.load_path)
+        before = self._evaluate_and_log(self.start_iteration)
+        calls_before = self.diagnostics.call_distribution()  # whom an orchestrator called, before training
         self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
-        n_iterations = self.n_iterations
-        bar = tqdm(range(self.start_iteration, n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
+        bar = tqdm(range(self.start_iteration, self.n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         for iteration in bar:
-            start = time.perf_counter()
-            before_rollout = rollout_start(self)
-            try:
-                buffer, stats = self.collect(iteration)
-            except RolloutAbandoned:
-                rewind(self, before_rollout)
-                self._preempted(iteration)
-            self.trainer.compute_advantages(buffer)
-            stats.update(self.diagnostics.rollout_stats(buffer, self.trainer.token_level))
-            metrics = self._update(buffer, iteration)
-            stats["charts/iteration_seconds"] = time.perf_counter() - start
-            stats["charts/env_steps"] = self.env_steps
-            for key, value in self.trainer.counters.items():
-                stats[f"counters/{key}"] = value
-            stats["counters/reward_failures"] = self.envs.failures()
-            if rc.log_interval and (iteration + 1) % rc.log_interval == 0:
-                logged = self._over_processes({**stats, **_loss_tags(metrics)})
-                for key, value in logged.items():
-                    self.writer.add_scalar(key, value, iteration + 1)
+            stats = self._iteration(iteration)
             bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
-            save_now, stop = self.preemption.after_iteration(iteration + 1)  # --save_interval, --save_every_minutes, a signal
-            if save_now:
-                self.save(iteration + 1)
-            if stop:
-                self._preempted(iteration + 1)
-            if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < n_iterations:
-                self._log_eval(self.evaluate(), iteration + 1)
-        after = self.evaluate()
+        return self._finish(before, calls_before)
+
+    def _iteration(self, iteration: int) -> dict[str, float]:
+        """One training iteration, phase by phase (:attr:`PHASES`); returns its logged figures."""
+        rc, start = self.config.runner, time.perf_counter()
+        # 1. collect: the team plays episode_length steps on every env (a stop signal rewinds and saves)
+        before_rollout = rollout_start(self)
+        try:
+            buffer, stats = self.collect(iteration)
+        except RolloutAbandoned:
+            rewind(self, before_rollout)
+            self._preempted(iteration)
+        # 2. advantages: credit per turn, the estimators of the trainer's algorithm
+        phase = time.perf_counter()
+        self.trainer.compute_advantages(buffer)
+        stats.update(self.diagnostics.rollout_stats(buffer, self.trainer.token_level))
+        stats["charts/advantages_seconds"] = time.perf_counter() - phase
+        # 3. update: the scheduled adapters (and the critic) take their PPO epochs
+        phase = time.perf_counter()
+        metrics = self._update(buffer, iteration)
+        stats["charts/update_seconds"] = time.perf_counter() - phase
+        stats["charts/iteration_seconds"] = time.perf_counter() - start
+        # 4. log: figures averaged (or summed) over processes, to TensorBoard on rank 0
+        self._log_iteration(iteration, stats, metrics)
+        # 5. checkpoint: --save_interval, --save_every_minutes, or a stop signal (which ends the run here)
+        save_now, stop = self.preemption.after_iteration(iteration + 1)
+        if save_now:
+            self.save(iteration + 1)
+        if stop:
+            self._preempted(iteration + 1)
+        # 6. evaluate: held-out episodes every --eval_interval iterations (the last one is evaluated by _finish)
+        if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < self.n_iterations:
+            self._evaluate_and_log(iteration + 1)
+        return stats
+
+    def _log_iteration(self, iteration: int, stats: dict[str, float], metrics: dict[str, float]) -> None:
+        """The iteration's rollout figures, counters and losses to TensorBoard (every ``--log_interval``)."""
+        stats["charts/env_steps"] = self.env_steps
+        for key, value in self.trainer.counters.items():
+            stats[f"counters/{key}"] = value
+        stats["counters/reward_failures"] = self.envs.failures()
+        log_interval = self.config.runner.log_interval
+        if log_interval and (iteration + 1) % log_interval == 0:
+            for key, value in self._over_processes({**stats, **_loss_tags(metrics)}).items():
+                self.writer.add_scalar(key, value, iteration + 1)
+
+    def _evaluate_and_log(self, step: int) -> dict[str, float]:
+        """Evaluate on held-out episodes and log the result (and the transcripts) at ``step``."""
+        result = self.evaluate()
+        self._log_eval(result, step)
+        return result
+
+    def _finish(self, before: dict[str, float], calls_before: dict[str, float]) -> dict:
+        """After the last iteration: evaluate, save the final checkpoint (unless it exists), write the summary."""
+        n_iterations = self.n_iterations
+        after = self._evaluate_and_log(n_iterations)
         calls_after = self.diagnostics.call_distribution()
-        self._log_eval(after, n_iterations)
         checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
         if n_iterations > self.start_iteration and not self.dist.broadcast_object(checkpoint.exists()):  # rank 0's view
             self.save(n_iterations)

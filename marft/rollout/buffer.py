@@ -1,6 +1,6 @@
 """Preallocated storage of one rollout batch: turns, each tagged with the agent that spoke it.
 
-A team step of a workflow (:mod:`marft.workflows`) takes up to S turns per env: S = N with the sequential
+A team step of a workflow (:mod:`marft.envs.workflows`) takes up to S turns per env: S = N with the sequential
 workflow or a graph (slot n is then agent n), 2·max_turns + 1 with an orchestrator. Turn k of env e's team
 step t sits in slot ``(t, e, k)``, its agent in ``agent[t, e, k]`` (-1: the slot holds no turn). Every
 advantage estimator runs along each env's own sequence of played turns.
@@ -28,10 +28,11 @@ P = max prompt length, L = max_new_tokens):
 * ``final_values``                 (T, E)        critic value of a truncated episode's final observation
                                                  (the first speaker's turn that never came), 0 elsewhere
 * ``n_words``                      (T, E, S)     words in each decoded reply (for ``normalization_mode=word``)
-* ``advantages, returns``          (T, E, S)     action level, filled by :meth:`compute_advantages` (or
-                                                 :meth:`compute_group_advantages`, critic-free)
+* ``advantages, returns``          (T, E, S)     action level, filled by the trainer
+                                                 (:mod:`marft.algorithms.advantages`: ``fill_action_advantages``, or
+                                                 ``fill_group_advantages``, critic-free)
 * ``token_values``                 (T, E, S, L)  token-level critic values at sampling time (MARFT-T)
-* ``token_advantages, token_returns`` (T, E, S, L) token level, filled by :meth:`compute_token_advantages`
+* ``token_advantages, token_returns`` (T, E, S, L) token level, filled by ``fill_token_advantages``
 
 ``active`` (T, E) says which envs played step t (GRPO: an env whose episode ended before its group's did sits
 out the rest of the round); ``played`` (T, E, S) which slots hold a turn. Empty slots are left out of every sample.
@@ -41,8 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from marft.agents.team import TurnOutput
-from marft.algorithms.advantages import agent_chain_gae, agent_step_credits, group_relative_advantages, token_chain_gae
+from marft.types import TurnBatch, TurnOutput
 
 
 class RolloutBuffer:
@@ -130,61 +130,22 @@ class RolloutBuffer:
         """``(T, E)`` the episode ended after step t, terminated or truncated."""
         return self.terminated | self.truncated
 
-    def compute_advantages(self, gamma: float, gae_lambda: float, rewards: torch.Tensor | None = None) -> None:
-        """GAE along each env's turns on ``rewards`` (T, E, S) (default: the turns' own, :attr:`rewards`)."""
-        self.advantages, self.returns = agent_chain_gae(
-            self.rewards if rewards is None else rewards, self.values, self.terminated, gamma, gae_lambda,
-            truncated=self.truncated, final_values=self.final_values, played=self.played, layers=self.layer,
-        )
-
-    def compute_token_advantages(
-        self, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float, rewards: torch.Tensor | None = None
-    ) -> None:
-        """Token-chain GAE on ``rewards`` (T, E, S) (default: the turns' own, :attr:`rewards`); empty slots have no
-        reply tokens, so the chain passes over them."""
-        self.token_advantages, self.token_returns = token_chain_gae(
-            self.rewards if rewards is None else rewards, self.token_values, self.response_mask, self.values[-1, :, 0], self.terminated,
-            gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=self.truncated, final_values=self.final_values,
-            layers=self.layer,
-        )
-
-    def compute_group_advantages(
-        self, round_length: int, group_size: int, scale: bool, credits: torch.Tensor | None = None, mode: str = "equal",
-    ) -> int:
-        """Critic-free: every turn's advantage is its episode's group-relative return
-        (:func:`~marft.algorithms.advantages.group_relative_advantages`; with per-turn ``credits`` (T, E, S) of
-        credit mode ``mode``, each agent's return sums its step credits, :func:`~marft.algorithms.advantages.agent_step_credits`:
-        the mean of its turns' credits in each step, so the number of turns does not count); ``returns`` hold the
-        episode returns. Returns how many groups had no return variance (their advantages are 0)."""
-        played = self.played
-        if credits is None:  # the team's return: one column, on every turn
-            advantages, returns, zero_variance = group_relative_advantages(self.agent_rewards, self.active, round_length, group_size, scale)
-            self.advantages = advantages[..., :1] * played
-            self.returns = returns[..., :1] * played
-            return zero_variance
-        spoke = (self.agent.unsqueeze(-1) == torch.arange(self.n_agents)).float()  # (T, E, S, N)
-        per_agent = agent_step_credits(credits, self.agent, self.n_agents, mode, self.agent_rewards)  # (T, E, N)
-        advantages, returns, zero_variance = group_relative_advantages(per_agent, self.active, round_length, group_size, scale, per_agent=True)
-        self.advantages = (spoke * advantages.unsqueeze(2)).sum(-1)  # (T, E, S): the turn's agent's column
-        self.returns = (spoke * returns.unsqueeze(2)).sum(-1)
-        return zero_variance
-
     ACTION_FIELDS = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "n_words", "advantages", "returns")
     TOKEN_FIELDS = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns")
 
-    def agent_samples(self, agents: int | list[int], token_level: bool = False) -> dict[str, torch.Tensor]:
+    def agent_samples(self, agents: int | list[int], token_level: bool = False) -> TurnBatch:
         """The turns of one agent, or of several (agents sharing an adapter), agent by agent, each agent's in
-        (step, env, slot) order: every tensor gets a leading dim of that many turns; ``agent`` says whose each
-        turn is (the update runs each agent's role header once per minibatch chunk)."""
+        (step, env, slot) order, as one :class:`~marft.types.TurnBatch`; ``agent`` says whose each turn is (the
+        update runs each agent's role header once per minibatch chunk)."""
         agents = [agents] if isinstance(agents, int) else list(agents)
         fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
         rows = [(self.agent == a).flatten() for a in agents]  # per agent, (T·E·S,)
         samples = {name: torch.cat([getattr(self, name).flatten(0, 2)[mine] for mine in rows]) for name in fields}
         if not token_level:
             samples["values"] = torch.cat([self.values[:-1].flatten(0, 2)[mine] for mine in rows])
-        return samples
+        return TurnBatch(**samples)
 
-    def critic_samples(self, token_level: bool = False, agents: list[int] | None = None) -> dict[str, torch.Tensor]:
+    def critic_samples(self, token_level: bool = False, agents: list[int] | None = None) -> TurnBatch:
         """Every turn (or the turns of ``agents``, for a per-agent critic) in (step, env, slot) order:
         their agents and prompts with values and returns (token level: also the replies with per-token values and
         returns)."""
@@ -192,31 +153,11 @@ class RolloutBuffer:
         played = keep.flatten()  # (T·E·S,)
         if token_level:
             fields = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
-            return {name: getattr(self, name).flatten(0, 2)[played] for name in fields}
-        return {
-            "agent": self.agent.flatten(0, 2)[played],
-            "prompt_ids": self.prompt_ids.flatten(0, 2)[played],
-            "prompt_mask": self.prompt_mask.flatten(0, 2)[played],
-            "values": self.values[:-1].flatten(0, 2)[played],
-            "returns": self.returns.flatten(0, 2)[played],
-        }
-
-
-RESPONSE_FIELDS = ("response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns", "ref_logprobs")
-
-
-def trim_batch(samples: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
-    """Drop all-padding prompt columns (left) and reply columns (right), move to ``device``."""
-    out = dict(samples)
-    if "prompt_mask" in samples:
-        used = samples["prompt_mask"].any(0).nonzero()
-        start = int(used[0]) if len(used) else samples["prompt_mask"].shape[1] - 1
-        out["prompt_ids"] = samples["prompt_ids"][:, start:]
-        out["prompt_mask"] = samples["prompt_mask"][:, start:]
-    if "response_mask" in samples:
-        used = samples["response_mask"].any(0).nonzero()
-        end = int(used[-1]) + 1 if len(used) else 1
-        for name in RESPONSE_FIELDS:
-            if name in samples:
-                out[name] = samples[name][:, :end]
-    return {k: v.to(device) for k, v in out.items()}
+            return TurnBatch(**{name: getattr(self, name).flatten(0, 2)[played] for name in fields})
+        return TurnBatch(
+            agent=self.agent.flatten(0, 2)[played],
+            prompt_ids=self.prompt_ids.flatten(0, 2)[played],
+            prompt_mask=self.prompt_mask.flatten(0, 2)[played],
+            values=self.values[:-1].flatten(0, 2)[played],
+            returns=self.returns.flatten(0, 2)[played],
+        )

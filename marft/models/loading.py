@@ -1,4 +1,4 @@
-"""Loading the ONE base model and its tokenizer."""
+"""Loading the ONE base model and its tokenizer: any local Hugging Face folder, or an embedded model built once and cached."""
 
 from __future__ import annotations
 
@@ -7,11 +7,20 @@ import os
 
 import torch
 
-from marft.agents.dtypes import DTYPES
+from marft.agents.dtypes import TORCH_DTYPES
 from marft.config import ModelConfig
+from marft.models.tiny import TinyRecipe, ensure_tiny_model
+from marft.models.tiny_instruct import InstructRecipe
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_RECIPES = {recipe.name: recipe for recipe in (TinyRecipe(), InstructRecipe())}
+"""``--model_name_or_path`` of a shipped embedded model (``marft-tiny``, ``marft-tiny-instruct``) → its recipe."""
+
+
+def embedded_recipe(name: str) -> TinyRecipe | None:
+    """The recipe of a shipped embedded model, None for any other name."""
+    return EMBEDDED_RECIPES.get(name)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -28,16 +37,13 @@ def looks_like_local_path(name: str) -> bool:
 
 def check_model_path(name: str) -> None:
     """Fail with one clear line when a local model directory is missing (before anything is loaded)."""
-    from marft.models.tiny import TINY_MODEL_NAME, embedded_recipe
-    from marft.models.tiny_instruct import INSTRUCT_MODEL_NAME
-
     if embedded_recipe(name) is not None:
         return
     path = os.path.expanduser(name)
     if looks_like_local_path(name) and not os.path.isdir(path):
         raise FileNotFoundError(
             f"model directory {name!r} does not exist; pass --model_name_or_path with a local Hugging Face "
-            f"model folder, a hub name, or {TINY_MODEL_NAME!r} / {INSTRUCT_MODEL_NAME!r} for the embedded tiny models"
+            f"model folder, a hub name, or {' / '.join(map(repr, EMBEDDED_RECIPES))} for the embedded tiny models"
         )
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model directory {name!r} has no config.json: it is not a Hugging Face model folder")
@@ -45,8 +51,6 @@ def check_model_path(name: str) -> None:
 
 def resolve_model_path(name: str) -> str:
     """The embedded tiny models are built (once) and cached; anything else is passed to Hugging Face."""
-    from marft.models.tiny import embedded_recipe, ensure_tiny_model
-
     check_model_path(name)
     recipe = embedded_recipe(name)
     return ensure_tiny_model(recipe=recipe) if recipe is not None else os.path.expanduser(name)
@@ -64,7 +68,7 @@ def load_base_model(config: ModelConfig):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
+            path, dtype=TORCH_DTYPES[config.dtype], trust_remote_code=config.trust_remote_code
         )
     except OSError as error:
         raise OSError(

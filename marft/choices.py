@@ -1,0 +1,86 @@
+"""The allowed values of every choice flag: one table per flag, name → what it means.
+
+A leaf: it imports nothing, so the config (:mod:`marft.config`), ``--help`` and validation read the names
+without loading torch or any model code. The implementations live where they belong (the trainer classes in
+``marft.algorithms``, the generation backends in ``marft.agents.generation`` …) and look their entries up by
+these names; ``tests/test_architecture.py`` checks that every implementation table has exactly these keys.
+"""
+
+from __future__ import annotations
+
+DTYPES: dict[str, str] = {
+    "float32": "32-bit floats (the default; exact on CPU)",
+    "bfloat16": "bfloat16 weights and activations (GPU)",
+    "float16": "float16 weights and activations (GPU)",
+}
+"""``--dtype`` → the parameter dtype (the torch dtypes: :data:`marft.agents.dtypes.TORCH_DTYPES`)."""
+
+GENERATION_BACKENDS: dict[str, str] = {
+    "decode_loop": "marft's own sampling loop (the default; the same ids and log-probs as generate for a seed on CPU)",
+    "generate": "transformers' model.generate (the reference and fallback)",
+}
+"""``--generation_backend`` → how replies are sampled (the classes: :data:`marft.agents.generation.BACKEND_CLASSES`)."""
+
+NORMALIZATION_MODES: dict[str, str] = {
+    "sum": "a reply's log-prob is the plain sum of its token log-probs",
+    "token": "the mean per token of the reply",
+    "word": "the sum per word of the decoded reply",
+}
+"""``--normalization_mode`` → how a reply's log-prob is formed from its summed token log-probs
+(the functions: :data:`marft.algorithms.losses.NORMALIZERS`)."""
+
+WORKFLOWS = {
+    "auto": "what the profile describes: a graph, an orchestrator, or the profile order",
+    "sequential": "every agent once per team step, in profile order (a profile with a graph or an orchestrator is refused)",
+    "graph": "a DAG of roles from the profile's 'graph'; nodes of one layer speak in parallel on the same history",
+    "orchestrated": "an orchestrator agent (the profile's 'orchestrator') calls specialists with <call>Role</call> and ends with <done/>",
+}
+"""``--workflow`` → what it plays (the one table of workflows)."""
+
+CREDIT_MODES = {
+    "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): agent n's "
+           "reward on its last turn of the step, the rewards of agents that did not speak on the step's last turn, so a "
+           "reward flows back to every earlier turn and, with gamma = lambda = 1, the step's first turn returns the sum "
+           "of all N agents' rewards (N x R for a team reward R) however many turns the step took",
+    "equal": "every turn of a team step is credited with the team reward R (the mean of the agents' rewards), "
+             "however many turns the step took",
+    "step_discount": "a turn followed by j more layers of its step (one turn each, except a parallel graph layer) is "
+                     "credited with R x credit_discount^j: later turns get more; the only mode where a turn's credit "
+                     "depends on the turns taken after it (by design)",
+    "per_step": "every turn is credited with its own agent's reward from the environment (StepOutcome.rewards), "
+                "each of an agent's turns alike",
+}
+"""``--credit_assignment`` → how the environment's rewards become each turn's credit (the one table of modes).
+
+The environment grades a team step once and gives each of the N agents a reward (``agent_rewards (T, E, N)``);
+the team reward R is their mean. A step may take any number of turns (an orchestrator calling specialists,
+an agent speaking twice, one that never speaks), so every mode is defined over turns without counting them:
+with a critic, a turn's return within its step is its credit (``env``: the rewards still to come in the step);
+with GRPO, an agent's step credit is the mean of its turns' credits (``env``: the team return)."""
+
+CHAT_TEMPLATE_MODES = {
+    "auto": "render each agent's prompt with the tokenizer's chat template when it has one, else the plain transcript",
+    "none": "the plain transcript (role header, private observation, conversation, cue)",
+}
+"""``--chat_template`` → how prompts are written (the one table of modes)."""
+
+CRITIC_MODES = {
+    "shared": "one centralized critic for every agent",
+    "per_agent": "one critic adapter and value head per agent",
+}
+"""``--critic_mode`` → what it builds (the one table of modes)."""
+
+KL_REFERENCES = {
+    "base": "the base model, every adapter off",
+    "initial": "each policy adapter as training started, kept frozen (a copy of the adapter)",
+    "auto": "initial when training starts from --load_path (a checkpoint or warm start), base otherwise",
+}
+"""``--kl_reference`` → the KL penalty's reference policy (the one table of references)."""
+
+TRAINERS: dict[str, str] = {
+    "APPO": "marft.algorithms.appo_trainer:APPOTrainer",
+    "TPPO": "marft.algorithms.tppo_trainer:TPPOTrainer",
+    "GRPO": "marft.algorithms.grpo_trainer:GRPOTrainer",
+}
+"""``--algorithm_name`` → trainer class. APPO: action-level MAPPO (MARFT-A); TPPO: token-level (MARFT-T);
+GRPO: critic-free, group-relative."""

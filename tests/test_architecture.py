@@ -1,0 +1,169 @@
+"""The package's layers import downward only, without circles, and the config loads no torch.
+
+The layers, lowest first (a module may import its own layer and the layers below it):
+
+* leaf — names of choices, errors, the text format, validation rules, process groups, turn records
+* config — the run's dataclasses and flags
+* envs — environments, workflows, profiles, datasets and graders
+* agents — the team: adapters, prompts, role headers, generation, critic
+* rollout — one team step turn by turn, the rollout buffer
+* algorithms — advantage estimators, losses, the APPO / TPPO / GRPO trainers
+* training — the loop and its phases, checkpoints, preemption, storage, diagnostics
+* sft — the supervised warm start
+* models — loading a base model, building the embedded ones (a warm start on env transcripts)
+* cli — the command-line entry points and the package's facade
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "marft"
+
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("leaf", ("marft.choices", "marft.faults", "marft.prompting", "marft.validation", "marft.distributed", "marft.types")),
+    ("config", ("marft.config",)),
+    ("envs", ("marft.envs",)),
+    ("agents", ("marft.agents",)),
+    ("rollout", ("marft.rollout",)),
+    ("algorithms", ("marft.algorithms",)),
+    ("training", ("marft.training",)),
+    ("sft", ("marft.sft",)),
+    ("models", ("marft.models",)),
+    ("cli", ("marft.launch", "marft.cli", "marft")),
+]
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def imported_modules(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The marft modules that ``name`` imports anywhere in its source (module level, in functions, under
+    TYPE_CHECKING): every one is a dependency."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                package = package[: len(package) - (node.level - 1)]
+                base = ".".join(package + ([base] if base else []))
+            candidates = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found.update(c for c in candidates if c in known and c != name)
+    return found
+
+
+def layer_of(name: str) -> int:
+    """The index of the layer holding ``name`` (the longest matching package prefix)."""
+    best, best_length = None, -1
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best_length:
+                best, best_length = index, len(prefix)
+    assert best is not None, f"{name} is in no layer: add it to LAYERS"
+    return best
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    known = module_names()
+    return {name: imported_modules(name, path, known) for name, path in known.items()}
+
+
+def test_every_module_is_in_a_layer(graph):
+    for name in graph:
+        layer_of(name)
+
+
+def test_nothing_imports_upward(graph):
+    upward = [f"{name} ({LAYERS[layer_of(name)][0]}) imports {dep} ({LAYERS[layer_of(dep)][0]})"
+              for name, deps in sorted(graph.items()) for dep in sorted(deps) if layer_of(dep) > layer_of(name)]
+    assert not upward, "upward imports:\n" + "\n".join(upward)
+
+
+def test_no_import_circles(graph):
+    """Depth-first search for a back edge; the first circle found is reported in full."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for dep in sorted(graph[name]):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (circle := visit(dep)):
+                return circle
+        state[name] = 2
+        path.pop()
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            circle = visit(name)
+            assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_the_checker_sees_upward_imports_and_circles(tmp_path):
+    """The walk finds a function-level import, a relative import and a circle (so the tests above can fail)."""
+    (tmp_path / "a.py").write_text("def f():\n    from marft.training import runner\n")
+    (tmp_path / "b.py").write_text("from . import a\n")
+    known = {"marft.envs.a": tmp_path / "a.py", "marft.envs.b": tmp_path / "b.py", "marft.training.runner": tmp_path / "r.py",
+             "marft.envs": tmp_path / "__init__.py"}
+    assert imported_modules("marft.envs.a", known["marft.envs.a"], known) == {"marft.training.runner"}
+    assert layer_of("marft.training.runner") > layer_of("marft.envs.a")
+    assert imported_modules("marft.envs.b", known["marft.envs.b"], known) == {"marft.envs", "marft.envs.a"}
+
+
+def test_importing_the_config_loads_no_torch():
+    """The config, its choices and ``import marft`` itself: flags, --help and validation without torch or peft."""
+    code = ("import sys, marft, marft.config, marft.choices; heavy = sorted(m for m in ('torch', 'peft', 'transformers', 'numpy') "
+            "if m in sys.modules); print(heavy); sys.exit(1 if heavy else 0)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert result.returncode == 0, f"importing marft.config loaded {result.stdout.strip()} {result.stderr[-2000:]}"
+
+
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTION_REASON = "# long function:"
+
+
+def test_functions_are_short_or_say_why():
+    """No function in ``marft/`` over 60 lines (docstring included) unless the line above its ``def`` (or its
+    decorators) starts with ``# long function:`` and a reason."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if not lines[first - 2].strip().startswith(LONG_FUNCTION_REASON):
+                    long.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, "functions over 60 lines without a reason:\n" + "\n".join(long)
+
+
+def test_every_implementation_table_has_exactly_the_choice_names():
+    """Each choice flag's names (:mod:`marft.choices`) and the table that implements them agree."""
+    from marft import choices
+    from marft.agents.dtypes import TORCH_DTYPES
+    from marft.agents.generation import BACKEND_CLASSES
+    from marft.algorithms import trainer_class
+    from marft.algorithms.losses import NORMALIZERS
+
+    assert set(TORCH_DTYPES) == set(choices.DTYPES)
+    assert set(BACKEND_CLASSES) == set(choices.GENERATION_BACKENDS)
+    assert set(NORMALIZERS) == set(choices.NORMALIZATION_MODES)
+    assert all(trainer_class(name) for name in choices.TRAINERS)
