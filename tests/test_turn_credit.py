@@ -133,7 +133,7 @@ def test_the_routing_turn_returns_the_same_however_many_turns_the_solved_step_to
 def test_step_discount_credits_a_turn_by_the_layers_after_it():
     """step_discount is the one mode that depends, by design, on the turns after a turn: R x d^j for j later layers."""
     buffer = turn_buffer([[SHORT, LONG]], 3, torch.ones(1, 2, 3))
-    from marft.algorithms.appo_trainer import buffer_credits
+    from marft.algorithms.advantages import buffer_credits
 
     credits = buffer_credits(buffer, "step_discount", 0.5)
     assert credits[0, 0].tolist() == [0.25, 0.5, 1.0, 0.0, 0.0] and credits[0, 1].tolist() == [0.0625, 0.125, 0.25, 0.5, 1.0]
@@ -289,7 +289,7 @@ def test_tppo_credits_telescope_with_token_gamma_below_one(mode):
     """V = 0, lambda = 1, one-step episodes, replies of different lengths: the brute-force discounted return (each
     reply's reward on its last token, token_gamma within a reply, gamma between replies) equals the token GAE's,
     and at each reply's last token it is the reply's credit. Before, the telescoping ignored token_gamma."""
-    from marft.algorithms.appo_trainer import buffer_credits
+    from marft.algorithms.advantages import buffer_credits
 
     g = torch.Generator().manual_seed(3)
     T, E, N, L = 2, 4, 3, 6

@@ -401,3 +401,10 @@ def fill_group_advantages(
     buffer.advantages = (spoke * advantages.unsqueeze(2)).sum(-1)  # (T, E, S): the turn's agent's column
     buffer.returns = (spoke * returns.unsqueeze(2)).sum(-1)
     return zero_variance
+
+
+def buffer_credits(buffer, mode: str, credit_discount: float) -> torch.Tensor:
+    """Each turn's credit (:func:`turn_credits`) from a rollout buffer's turns (their agents and layers) and
+    per-agent rewards, ``(T, E, S)``."""
+    return turn_credits(buffer.rewards, mode, credit_discount, team_rewards=buffer.agent_rewards, played=buffer.played,
+                        agents=buffer.agent, layers=buffer.layer)

@@ -14,22 +14,21 @@ The policy loss is PPO's clipped surrogate with these advantages: one ratio per 
 ``--normalization_mode sum`` or ``word``; with ``token`` one ratio per reply token, the reply's advantage
 broadcast to its tokens and the loss averaged over real tokens (the token-level GRPO loss). Schedule,
 shared adapters, minibatches, gradient accumulation, skips and the reference KL (``--kl_coef``) are
-:class:`APPOTrainer`'s.
+the shared PPO loop's (:class:`~marft.algorithms.ppo.PPOTrainer`); GRPO is not a critic trainer's child.
 """
 
 from __future__ import annotations
 
 import torch
 
-from marft.algorithms.advantages import fill_group_advantages
-from marft.algorithms.appo_trainer import APPOTrainer, buffer_credits
+from marft.algorithms.advantages import buffer_credits, fill_group_advantages
+from marft.algorithms.ppo import PPOTrainer
 from marft.algorithms.losses import clipped_policy_loss
 from marft.rollout.buffer import RolloutBuffer
 from marft.types import TurnBatch
 
 
-class GRPOTrainer(APPOTrainer):
-    uses_critic = False
+class GRPOTrainer(PPOTrainer):
     group_relative = True
 
     def __init__(self, *args, **kwargs):

@@ -5,15 +5,15 @@ Every reply token is an action. The critic values the state before each token
 advantages come from :func:`token_chain_gae`, and the PPO and value losses are
 averaged over real tokens only (so gradient accumulation weights chunks by
 their token counts, :meth:`TPPOTrainer.loss_units`). Everything else —
-schedule, optimizers, minibatches, skips — is inherited from :class:`APPOTrainer`.
+the critic's optimizers from :class:`APPOTrainer`, the schedule, minibatches and skips from :class:`~marft.algorithms.ppo.PPOTrainer`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from marft.algorithms.advantages import chain_rewards, fill_token_advantages
-from marft.algorithms.appo_trainer import APPOTrainer, buffer_credits
+from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_token_advantages
+from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss
 from marft.rollout.buffer import RolloutBuffer
 from marft.types import TurnBatch

@@ -1,0 +1,457 @@
+"""The PPO update loop every trainer shares: the agent schedule, minibatches and gradient-accumulation chunks,
+the clipped surrogate on whole replies, the reference KL, entropy control, non-finite skips, and with several
+processes the reductions of :mod:`marft.distributed`. It has no critic: :class:`~marft.algorithms.appo_trainer.APPOTrainer`
+(MARFT-A) adds one, :class:`~marft.algorithms.tppo_trainer.TPPOTrainer` (MARFT-T) works per token on it, and
+:class:`~marft.algorithms.grpo_trainer.GRPOTrainer` (critic-free) uses this loop as it is. The algorithms override
+the hooks: ``compute_advantages``, ``normalized_advantages``, ``policy_loss``, ``loss_units`` (and a critic
+trainer ``update_critics``, ``value_loss``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from contextlib import nullcontext
+
+import torch
+
+from marft.agents.team import AgentTeam
+from marft.algorithms.losses import clipped_policy_loss, normalize_logprobs
+from marft.config import AlgoConfig
+from marft.distributed import SINGLE, Distributed
+from marft.faults import TrainingStopped
+from marft.rollout.buffer import RolloutBuffer
+from marft.types import TurnBatch
+
+logger = logging.getLogger(__name__)
+
+
+class PPOTrainer:
+    """Owns the optimizers and runs one PPO update per rollout batch.
+
+    With several processes (``dist``), each holds its share of the rollout batch (shares may differ in size,
+    down to none) and step k uses the union of the processes' k-th minibatches, its chunks weighted by that
+    union's loss units. Equal shares: each process shuffles its own rows. Unequal shares: rank 0 draws one
+    permutation of the union's rows (rank 0's first) per epoch and shares it, the union is split into
+    ``num_mini_batch`` minibatches (as many on every process, whatever its share) and each process steps with its
+    own rows of minibatch k (possibly none), so every step equals the single-process step on the union.
+
+    An adapter (or critic) with no rows on any process is not updated at all (no optimizer step, so neither its
+    weights nor its optimizer state move) and the skip is counted (``counters/skipped_updates/<adapter>``)."""
+
+    def __init__(self, team: AgentTeam, config: AlgoConfig, steps_per_iteration: int, dist: Distributed = SINGLE):
+        self.team = team
+        self.config = config
+        self.dist = dist
+        """Process group of a data-parallel run (:data:`~marft.distributed.SINGLE`: one process, no collectives)."""
+        self.steps_per_iteration = steps_per_iteration
+        """Environment steps one iteration collects: the schedule (``warmup_steps``, ``agent_iteration_interval``) counts env steps."""
+        self.policy_optimizers = {
+            adapter: torch.optim.AdamW(team.adapter_parameters(adapter), lr=config.lr, weight_decay=0.0)
+            for adapter in team.policy_adapters
+        }
+        self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}
+        """Per critic adapter, its optimizer: none here (a critic trainer, :class:`~marft.algorithms.appo_trainer.APPOTrainer`, adds them)."""
+        self.entropy_coefs = {adapter: config.entropy_coef for adapter in team.policy_adapters}
+        """Per policy adapter, the weight of its entropy bonus: ``--entropy_coef``, or adapted towards ``--target_entropy``."""
+        self.counters = {"kl_early_stops": 0, "skipped_minibatches": 0, "out_of_topk_tokens": 0, "constant_reward_batches": 0}
+        self.consecutive_skips = {name: 0 for name in [*self.policy_optimizers, *self.critic_optimizers]}
+        """Per optimizer, minibatches skipped in a row (reset by every applied step)."""
+        self.iteration = 0
+        """The 0-based iteration being updated (for messages)."""
+        self.scored_positions = [0, 0]
+        """Token positions the policy forwards of the current adapter's update ran, and of them padding (``pad_share``)."""
+
+    # ------------------------------------------------------------------ schedule
+    schedule_origin: tuple[int, int] = (0, 0)
+    """``(iteration, env steps collected before it)`` the schedule counts from: a resumed run sets the checkpoint's,
+    so a rollout size changed on resume counts only the iterations after it at the new size."""
+
+    def agents_to_train(self, iteration: int) -> list[int]:
+        """Agents whose policy is updated at ``iteration`` (0-based), as the original MARFT decides it from
+        the env steps collected once this iteration's rollout is in: none before ``warmup_steps``, then all
+        agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone (the round-robin includes
+        an orchestrator, unless ``--train_orchestrator false`` leaves it out). The env steps are those of the
+        iterations before :attr:`schedule_origin` (as collected) plus this run's since."""
+        origin_iteration, origin_steps = self.schedule_origin
+        env_steps = origin_steps + (iteration - origin_iteration + 1) * self.steps_per_iteration
+        if env_steps < self.config.warmup_steps:
+            return []
+        trainable = list(range(self.team.n_agents))
+        if not self.config.train_orchestrator:
+            trainable = [a for a in trainable if not self.team.profile[a].orchestrator]
+        interval = self.config.agent_iteration_interval
+        if interval == 0:
+            return trainable
+        return [trainable[(env_steps // interval) % len(trainable)]]
+
+    def informative(self, buffer: RolloutBuffer) -> bool:
+        """Whether the batch (over all processes) can rank replies: not when its advantages (token advantages at
+        the token level) are all zero, nor when every reward is equal and every step ended its episode for good
+        (each return is then a sum of equal rewards with nothing bootstrapped, so any advantage is the critic's
+        error alone). Equal rewards in a batch where an episode goes on are informative: the bootstrapped value
+        of the next state still ranks the replies. A NaN advantage counts as not zero (the update's checks catch it)."""
+        advantages = buffer.token_advantages if self.token_level else buffer.advantages
+        going_on = buffer.active & ~buffer.terminated  # (T, E): a played step whose episode continues (or was cut)
+        nonzero, open_steps = self.dist.sum_floats([float((advantages != 0).sum()), float(going_on.sum())])
+        if nonzero == 0:
+            return False
+        if open_steps > 0:
+            return True
+        stats = self.dist.mean_std(buffer.agent_rewards.flatten().double())
+        return stats is None or float(stats[1]) > 1e-9
+
+    def adapter_groups(self, agents: list[int]) -> dict[str, list[int]]:
+        """The scheduled ``agents`` grouped by the adapter they act with: one group per agent, or a single
+        group with ``--shared_lora``, so a shared adapter gets ONE update on all its agents' turns."""
+        groups: dict[str, list[int]] = {}
+        for agent in agents:
+            groups.setdefault(self.team.agent_adapters[agent], []).append(agent)
+        return groups
+
+    # ------------------------------------------------------------------ algorithm hooks
+    uses_critic = False
+    """Whether the team needs a critic (adapter, value head, values in the rollout, its optimizer and checkpoint files)."""
+    group_relative = False
+    """Whether the runner plays groups of ``group_size`` whole episodes on one task (critic-free GRPO)."""
+    token_level = False
+    """Whether the rollout must value every reply token (MARFT-T) or only each prompt (MARFT-A)."""
+
+    def compute_advantages(self, buffer: RolloutBuffer) -> None:
+        """Fill the buffer's advantages (and returns) by the algorithm's estimator."""
+        raise NotImplementedError
+
+    def loss_units(self, samples: TurnBatch, indices: torch.Tensor) -> float:
+        """How many units the losses average over in rows ``indices``: replies at the action level. Gradient
+        accumulation weights each chunk by its share of the minibatch's units, so the gradient does not
+        depend on ``gradient_cp_steps``."""
+        return float(len(indices))
+
+    def normalized_advantages(self, samples: TurnBatch) -> TurnBatch:
+        """Standardise one adapter's advantages over its batch, all processes' rows together (when ``normalize_advantages``)."""
+        advantages = samples.advantages  # (B,)
+        stats = self.dist.mean_std(advantages) if self.config.normalize_advantages else None
+        if stats is not None:
+            mean, std = stats
+            advantages = (advantages - mean) / (std + 1e-8)
+        return samples.replace(advantages=advantages)
+
+    def policy_loss(self, adapter: str, mb: TurnBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Clipped surrogate on whole-reply log-probs. Returns ``(policy_loss, entropy, stats)``."""
+        cfg = self.config
+        token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
+        mask = mb.response_mask.float()
+        new_logp = normalize_logprobs(token_logp, mask, mb.n_words, cfg.normalization_mode)  # (B,)
+        old_logp = normalize_logprobs(mb.logprobs, mask, mb.n_words, cfg.normalization_mode)  # (B,)
+        loss, stats = clipped_policy_loss(new_logp, old_logp, mb.advantages, cfg.clip_param, clip_param_high=cfg.clip_param_high)
+        entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+        self.add_reference_kl(token_logp, mb, stats)
+        return loss, entropy, stats
+
+    def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict) -> None:
+        """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
+        ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
+        would move it into the advantages). Puts into ``stats`` the chunk's k3 SUM over its real tokens
+        (``kl_token_sum``, in the graph), which the update weights by ``kl_coef / tokens of the global
+        minibatch``: the KL is a mean over the minibatch's tokens, whatever the chunks or the processes; and its
+        mean over the chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s.
+        With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
+        if self.config.kl_coef <= 0:
+            return
+        mask = mb.response_mask.float()  # (B, L)
+        log_ratio = (mb.ref_logprobs - token_logp) * mask  # (B, L)
+        k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
+        stats["kl_token_sum"] = k3.sum()
+        stats["kl_to_reference"] = k3.sum().detach() / mask.sum().clamp(min=1)
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: TurnBatch, adapter: str | None = None) -> torch.Tensor:
+        """``(B, L)`` log-probs of the sampled replies under the reference policy of ``adapter`` (``--kl_reference``):
+        its frozen copy from the start of training (``initial``: :meth:`AgentTeam.add_reference_adapters`), or the
+        base model (``base``: every adapter off, free with LoRA), in chunks of one gradient-accumulation chunk's
+        size; zero at padding."""
+        n_samples, L = samples.response_ids.shape
+        size = max(1, math.ceil(n_samples / (self.config.num_mini_batch * self.config.gradient_cp_steps)))
+        out = torch.zeros(n_samples, L)
+        reference = self.team.reference_adapters.get(adapter) if adapter is not None else None
+        route = reference or self.team.policy_adapters[0]
+        for rows in torch.arange(n_samples).split(size):
+            mb = TurnBatch(agent=samples.agent, prompt_ids=samples.prompt_ids, prompt_mask=samples.prompt_mask, response_ids=samples.response_ids,
+                           response_mask=samples.response_mask).rows(rows).trimmed(self.team.device)
+            with self.team.bank.reference_policy() if reference is None else nullcontext():
+                scores = self.team.response_logprobs(
+                    route, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agents=mb.agent
+                )
+            out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
+        return out
+
+    def score_replies(self, adapter: str, mb: TurnBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current policy's token log-probs and entropies of the minibatch's replies, ``(B, L)`` each;
+        sampled tokens outside the current top-k are counted (``out_of_topk_tokens``). Each role header runs
+        once per minibatch chunk; the entropy is in the graph only when ``entropy_coef`` weighs it in the loss."""
+        scores = self.team.response_logprobs(
+            adapter, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, with_entropy=True,
+            agents=mb.agent, entropy_grad=self.config.entropy_coef != 0 or self.config.target_entropy is not None,
+        )
+        self.counters["out_of_topk_tokens"] += scores.out_of_topk
+        self.scored_positions[0] += scores.positions
+        self.scored_positions[1] += scores.padding
+        return scores.logprobs, scores.entropy
+
+    # ------------------------------------------------------------------ update
+    def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
+        """The critics' update (:meth:`update_critics`, if any), then one policy update per adapter of the scheduled agents.
+
+        A batch that cannot rank replies (:meth:`informative`: all advantages zero, or equal rewards on episodes
+        that all ended) says nothing about which replies are better: its advantages are only the critic's errors
+        (or zero, while the entropy and KL terms still pull), and following them (Adam turns any non-zero gradient
+        into a full-size step) is a random walk that lowers the policy's entropy. Such a batch trains the critic
+        only, and is counted (``counters/constant_reward_batches``), as group-relative methods zero out groups
+        without reward variance (``--update_on_constant_rewards true``: the policies are updated anyway, as in the
+        original MARFT). Equal rewards in a batch whose episodes go on are not skipped: the bootstrapped values
+        of the next states still rank the replies. LoRA dropout (``--lora_dropout``) is active here only."""
+        self.iteration = iteration
+        agents = self.agents_to_train(iteration)
+        if agents and not self.config.update_on_constant_rewards and not self.informative(buffer):
+            self.counters["constant_reward_batches"] += 1
+            agents = []
+        out_of_topk = self.counters["out_of_topk_tokens"]
+        with self.team.bank.lora_dropout_active():
+            metrics = self.update_critics(buffer)
+            for adapter, agents in self.adapter_groups(agents).items():
+                samples = buffer.agent_samples(agents, self.token_level)
+                label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
+                for key, value in self.update_policy(adapter, samples).items():
+                    metrics[f"agent_{label}/{key}"] = value
+        self.team.set_active(None)
+        if self.dist.enabled:  # counted over all processes, so every process keeps the same counters
+            (counted,) = self.dist.sum_floats([self.counters["out_of_topk_tokens"] - out_of_topk])
+            self.counters["out_of_topk_tokens"] = out_of_topk + int(counted)
+        return metrics
+
+    def update_critics(self, buffer: RolloutBuffer) -> dict[str, float]:
+        """Update the critics on the batch before the policies (none here); returns their metrics."""
+        return {}
+
+    def _row_share(self, samples: TurnBatch) -> tuple[int, int, bool]:
+        """``(offset, total, equal)``: where this process's rows start in the union of all processes' rows (rank 0's
+        first), how many rows the union has, and whether every process holds as many (one all-reduce;
+        ``(0, n, True)`` with one process)."""
+        n_samples = samples.prompt_ids.shape[0]
+        counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
+        return int(sum(counts[: self.dist.rank])), int(sum(counts)), len(set(counts)) == 1
+
+    def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
+        """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
+        units and the reply tokens (the reference KL's units) of each minibatch summed over processes.
+        Returns ``[(chunks, units, kl_units)]``.
+
+        When every process holds as many rows, each shuffles its own and cuts them into ``num_mini_batch``
+        minibatches (so every process runs as many, and seeded runs draw their random numbers as they always did).
+        When the shares differ, the permutation is of the union of all processes' rows (drawn by rank 0,
+        :meth:`Distributed.permutation`), cut into ``num_mini_batch`` minibatches of ``ceil(total / num_mini_batch)``
+        rows; each process keeps its own rows of each, so every process runs as many minibatches (its own part
+        possibly empty: no chunk) and the union of the processes' k-th minibatches is the single-process k-th
+        minibatch on the union. A minibatch's
+        rows are sorted by length before it is cut into chunks: each chunk then holds rows of similar lengths and
+        pays for less padding (the minibatch's gradient, their sum, is the same)."""
+        n_samples = samples.prompt_ids.shape[0]
+        offset, total, equal = self._row_share(samples)
+        if equal:  # every process shuffles its own rows: as many minibatches everywhere, no broadcast
+            minibatches = list(torch.randperm(n_samples).split(max(1, math.ceil(n_samples / self.config.num_mini_batch))))
+        else:
+            size = max(1, math.ceil(total / self.config.num_mini_batch))
+            minibatches = [
+                indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
+            ]
+        budget = self.config.max_chunk_tokens
+        header_lengths = self._header_lengths(samples) if budget is not None else None
+        if chunks_per_minibatch > 1 or budget is not None:
+            lengths = samples.prompt_mask.sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
+            if samples.response_mask is not None:
+                lengths = lengths + samples.response_mask.sum(-1)
+            minibatches = [indices[lengths[indices].argsort(stable=True)] for indices in minibatches]
+        with_kl = self.config.kl_coef > 0 and samples.response_mask is not None
+        counts = [self.loss_units(samples, indices) for indices in minibatches]
+        if with_kl:
+            counts += [float(samples.response_mask[indices].sum()) for indices in minibatches]
+        counts = self.dist.sum_floats(counts)  # one all-reduce: [units of each minibatch, (its reply tokens)]
+        units = counts[: len(minibatches)]
+        kl_units = counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
+        return [
+            (
+                [
+                    part
+                    for chunk in indices.chunk(chunks_per_minibatch)
+                    if len(chunk)
+                    for part in (self._token_budget_split(samples, chunk, budget, header_lengths) if budget is not None else [chunk])
+                ],
+                max(u, 1.0),
+                max(k, 1.0),
+            )
+            for indices, u, k in zip(minibatches, units, kl_units)
+        ]
+
+    def _header_lengths(self, samples: TurnBatch) -> torch.Tensor | None:
+        """``(n,)`` each row's role-header tokens when the forward shares the headers (rows of several agents are
+        then laid out as ``[longest header][longest rest]``), else None."""
+        headers = self.team.headers
+        if samples.agent is None or not headers.sharable:
+            return None
+        lengths = torch.tensor([len(ids) for ids in headers.header_ids])  # (n_agents,)
+        return lengths[samples.agent.long()]
+
+    @staticmethod
+    def _token_budget_split(
+        samples: TurnBatch, chunk: torch.Tensor, budget: int, header_lengths: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Cut ``chunk`` (row indices, in order) into consecutive parts whose padded tokens stay within ``budget``;
+        a row longer than the budget on its own is a part by itself. A part's forward is ``rows x (longest prompt +
+        longest reply)`` as :meth:`TurnBatch.trimmed` leaves it, or, with ``header_lengths (n,)`` (rows behind shared role
+        headers of different lengths), ``rows x (longest header + longest prompt after its header + longest
+        reply)``. The parts' losses keep their weights (each part's units over the minibatch's), so the
+        minibatch's gradient is the same."""
+        prompt = samples.prompt_mask[chunk].sum(-1).tolist()  # (n,) real prompt tokens per row
+        reply = samples.response_mask[chunk].sum(-1).tolist() if samples.response_mask is not None else [0] * len(prompt)
+        header = header_lengths[chunk].tolist() if header_lengths is not None else [0] * len(prompt)
+        parts, start, widest = [], 0, (0, 0, 0)
+        for i, row in enumerate(zip(header, (p - h for p, h in zip(prompt, header)), reply)):
+            wider = tuple(max(a, b) for a, b in zip(widest, row))  # (longest header, longest rest, longest reply)
+            if i > start and (i - start + 1) * sum(wider) > budget:
+                parts.append(chunk[start:i])
+                start, wider = i, row
+            widest = wider
+        parts.append(chunk[start:])
+        return parts
+
+    def _skip_update(self, name: str) -> dict[str, float]:
+        """Count and log an update of ``name`` (an adapter or critic) skipped because no process has a row of it
+        (e.g. an agent the orchestrator never called): no optimizer step, so nothing of it moves."""
+        key = f"skipped_updates/{name}"
+        self.counters[key] = self.counters.get(key, 0) + 1
+        if self.dist.is_main:
+            logger.info("iteration %d, %s: no turns in this batch on any process, update skipped (%d so far)", self.iteration + 1, name, self.counters[key])
+        return {}
+
+    def _step(self, optimizer, params, loss_ok: bool, name: str) -> float:
+        """Clip and apply the accumulated gradient of optimizer ``name``; skip (and count) a non-finite one.
+        With several processes the gradients are summed over them first, and a non-finite loss on any
+        process skips the step on all (so the weights stay identical).
+
+        Raises:
+            TrainingStopped: ``max_consecutive_skips`` minibatches of ``name`` were skipped in a row.
+        """
+        loss_ok = self.dist.sync_gradients(params, loss_ok)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        if not loss_ok or not torch.isfinite(grad_norm):
+            self.counters["skipped_minibatches"] += 1
+            self.consecutive_skips[name] += 1
+            optimizer.zero_grad(set_to_none=True)
+            logger.warning(
+                "iteration %d, %s: skipped a minibatch with a non-finite %s (%d in a row, %d in all)",
+                self.iteration + 1, name, "loss" if not loss_ok else "gradient",
+                self.consecutive_skips[name], self.counters["skipped_minibatches"],
+            )
+            limit = self.config.max_consecutive_skips
+            if limit and self.consecutive_skips[name] >= limit:
+                raise TrainingStopped(
+                    f"iteration {self.iteration + 1}: {name} skipped {limit} minibatches in a row for non-finite "
+                    f"losses or gradients (NaN/inf in logits, log-probs, values, advantages or losses; "
+                    f"--max_consecutive_skips {limit})."
+                )
+            return float("nan")
+        self.consecutive_skips[name] = 0
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def update_policy(self, adapter: str, samples: TurnBatch) -> dict[str, float]:
+        """PPO epochs of ``adapter`` over its agents' turns. ``samples`` holds tensors with a leading dim of
+        T·E per agent that acts with the adapter."""
+        cfg, team = self.config, self.team
+        optimizer = self.policy_optimizers[adapter]
+        params = team.adapter_parameters(adapter)
+        if self._row_share(samples)[1] == 0:
+            return self._skip_update(adapter)
+        team.set_active(adapter, trainable=True)
+        samples = self.normalized_advantages(samples)
+        if cfg.kl_coef > 0:
+            samples.ref_logprobs = self.reference_logprobs(samples, adapter)
+        stats = defaultdict(list)
+        self.scored_positions = [0, 0]
+        for _ in range(cfg.ppo_epoch):
+            epoch_kl = []
+            for chunks, units, kl_units in self._minibatches(samples, cfg.gradient_cp_steps):
+                loss_ok = True
+                with team.headers.shared_over_chunks():  # each role header: one forward and backward per minibatch
+                    for chunk in chunks:
+                        mb = samples.rows(chunk).trimmed(team.device)
+                        policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
+                        loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
+                        kl_sum = pstats.pop("kl_token_sum", None)
+                        if kl_sum is not None:  # a mean over the global minibatch's reply tokens, whatever the chunks
+                            loss = loss + cfg.kl_coef * kl_sum / kl_units
+                        if not torch.isfinite(loss):
+                            loss_ok = False
+                            break
+                        loss.backward()
+                        stats["policy_loss"].append(policy_loss.item())
+                        stats["entropy"].append(entropy.item())
+                        for key, value in pstats.items():
+                            stats[key].append(value.item())
+                        epoch_kl.append(pstats["approx_kl"].item())
+                stats["grad_norm"].append(self._step(optimizer, params, loss_ok, adapter))
+            if cfg.target_kl is None:
+                continue
+            kl_sum, kl_count = self.dist.sum_floats([sum(epoch_kl), len(epoch_kl)])  # the epoch's chunks on all processes
+            if kl_count and kl_sum / kl_count > cfg.target_kl:
+                self.counters["kl_early_stops"] += 1
+                logger.info("adapter %s: approx KL %.4f > target %.4f, remaining epochs skipped", adapter, kl_sum / kl_count, cfg.target_kl)
+                break
+        positions, padding = self.scored_positions
+        stats["pad_share"].append(padding / positions if positions else float("nan"))
+        self.adapt_entropy_coef(adapter, stats["entropy"])
+        stats["entropy_coef"].append(self.entropy_coefs[adapter])
+        return {key: _nanmean(values) for key, values in stats.items()}
+
+    def adapt_entropy_coef(self, adapter: str, entropies: list[float]) -> None:
+        """With ``--target_entropy``: move ``adapter``'s entropy bonus weight one ``--entropy_coef_step`` towards
+        keeping its entropy at the target, from the mean entropy of this update's chunks on all processes (so
+        every process keeps the same weight). A policy whose entropy collapses before it found the optimum gets
+        a growing bonus until it explores again; one above the target gets none."""
+        cfg = self.config
+        if cfg.target_entropy is None:
+            return
+        total, count = self.dist.sum_floats([sum(entropies), len(entropies)])
+        if not count:
+            return
+        step = cfg.entropy_coef_step if total / count < cfg.target_entropy else -cfg.entropy_coef_step
+        self.entropy_coefs[adapter] = max(0.0, self.entropy_coefs[adapter] + step)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        state = {
+            "policy_optimizers": {a: opt.state_dict() for a, opt in self.policy_optimizers.items()},
+            "counters": dict(self.counters),
+            "consecutive_skips": dict(self.consecutive_skips),
+            "entropy_coefs": dict(self.entropy_coefs),
+        }
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore optimizer states and counters; learning rates come from the current config
+        (so ``--lr`` may change on resume)."""
+        for adapter, opt in self.policy_optimizers.items():
+            opt.load_state_dict(state["policy_optimizers"][adapter])
+            for group in opt.param_groups:
+                group["lr"] = self.config.lr
+        self.counters.update(state.get("counters", {}))
+        self.consecutive_skips.update(state.get("consecutive_skips", {}))
+        if self.config.target_entropy is not None:  # adapted weights continue; a fixed --entropy_coef may change on resume
+            self.entropy_coefs.update(state.get("entropy_coefs", {}))
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return sum(finite) / len(finite) if finite else float("nan")
