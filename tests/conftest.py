@@ -97,3 +97,9 @@ def scripted_orchestrator(monkeypatch):
         return -1 if pick == 2 else specialists[pick % len(specialists)]
 
     monkeypatch.setattr(OrchestratedWorkflow, "parse", parse)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: an integration test that trains, spawns processes or builds a model (the fast subset: -m 'not slow')"
+    )

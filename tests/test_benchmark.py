@@ -20,6 +20,7 @@ def run_bench(*args) -> dict:
 
 
 @pytest.mark.parametrize("algo", ["APPO", "TPPO"])
+@pytest.mark.slow
 def test_learning_bench_writes_figures_and_a_plot(random_model_dir, tmp_path, algo):
     out = tmp_path / "run"
     result = run_bench("learning", "--model", random_model_dir, "--algorithm_name", algo, "--num_env_steps", "4",
@@ -31,6 +32,7 @@ def test_learning_bench_writes_figures_and_a_plot(random_model_dir, tmp_path, al
     assert (out / "logs" / "learning_curve.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_rollout_and_update_benches(random_model_dir):
     rollout = run_bench("rollout", "--model", random_model_dir, "--repeats", "1", *TINY)
     assert rollout["bench"] == "rollout" and rollout["marft_tokens_per_s"] > 0 and rollout["generate_tokens_per_s"] > 0
@@ -40,6 +42,7 @@ def test_rollout_and_update_benches(random_model_dir):
     assert update["bench"] == "update" and update["marft_s"] > 0 and update["plain_s"] > 0
 
 
+@pytest.mark.slow
 def test_iteration_bench_reports_time_and_memory(random_model_dir):
     result = run_bench("iteration", "--model", random_model_dir, "--n_agents", "4", "--repeats", "1", *TINY)
     assert result["bench"] == "iteration" and result["n_agents"] == 4

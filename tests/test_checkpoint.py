@@ -110,6 +110,7 @@ def check_resume_is_exact(random_model_dir, tmp_path, extra):
     assert compared >= 2 * N * 5
 
 
+@pytest.mark.slow
 def test_resume_of_an_orchestrated_run_mid_episode_is_exact(random_model_dir, tmp_path, scripted_orchestrator):
     """Orchestrated steps of different lengths, episodes of 3 steps across the stop (the horizon): still exact."""
     check_resume_is_exact(random_model_dir, tmp_path, ("--env_name", "dense_route", "--profile_path", "route_orchestrated_anonymous",
@@ -250,6 +251,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_kill_9_during_save_keeps_the_previous_checkpoint(random_model_dir, tmp_path):
     run, marker, script = tmp_path / "run", tmp_path / "saving", tmp_path / "child.py"
     script.write_text(CHILD)

@@ -22,6 +22,7 @@ def test_humaneval_has_164_problems_with_canonical_solutions(problems):
     assert problems[0].task_id == "HumanEval/0" and problems[0].text.startswith("Complete the Python function `has_close_elements`")
 
 
+@pytest.mark.slow
 def test_all_canonical_solutions_pass_and_wrong_bodies_fail(problems):
     started = time.monotonic()
     reports = grade_many([{"program": p.solution, "tests": p.tests, "entry_point": p.entry_point, "prompt": p.program_prefix} for p in problems])

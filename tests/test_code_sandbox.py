@@ -140,6 +140,7 @@ def run_hostile(program, tests=None, **kwargs):
 
 
 @needs_root
+@pytest.mark.slow
 def test_infinite_loop_times_out(contained):
     report, seconds = run_hostile("while True:\n    pass\n", [{"input": "", "output": "1"}] * 2)
     assert report.statuses == ("timeout", "timeout") and seconds < 2 * (1.5 + 1.5) + 10
@@ -153,6 +154,7 @@ def test_loop_that_swallows_the_timeout(contained):
 
 
 @needs_root
+@pytest.mark.slow
 def test_fork_bomb_is_contained(contained):
     program = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     report, seconds = run_hostile(program, [{"input": "", "output": "1"}] * 2)

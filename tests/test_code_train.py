@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,7 @@ def train(args, script="train_math.sh", timeout=300):
     return result
 
 
+@pytest.mark.slow
 def test_code_team_trains_checkpoints_and_resumes(random_model_dir, tmp_path):
     out = tmp_path / "run"
     common = ["--model_name_or_path", random_model_dir, "--env_name", "code", "--n_rollout_threads", "4", "--episode_length", "1",

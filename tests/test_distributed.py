@@ -80,6 +80,7 @@ def update_results(random_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["APPO_per_agent", "APPO_shared", "TPPO_per_agent", "TPPO_shared"])
+@pytest.mark.slow
 def test_two_processes_on_halves_update_as_one_process_on_the_whole_batch(update_results, case):
     """Two epochs, two accumulation chunks, active clipping. With SGD the weights are linear in the clipped global
     gradient: equal to 1e-5 (measured ~1e-8). AdamW divides by ``sqrt(v) + eps`` and so magnifies float32
@@ -111,6 +112,7 @@ def unequal_results(random_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["APPO_9", "TPPO_9", "GRPO_9", "APPO_21"])
+@pytest.mark.slow
 def test_two_processes_with_unequal_shares_update_as_one_process_on_the_union(unequal_results, case):
     """4 minibatches of the 21 rows (6, 6, 6, 3), two chunks each, two epochs, clipping and the reference KL;
     SGD (lr 1), so the weights are linear in the clipped global gradient (float32 summation order: 1e-5)."""
@@ -138,6 +140,7 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return {f"{f.relative_to(checkpoint)}/{k}": v for f in sorted(checkpoint.rglob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+@pytest.mark.slow
 def test_resume_with_two_processes_is_exact(random_model_dir, tmp_path):
     """2N iterations in one go == N, stop, resume N more (both with 2 processes): weights, env states, RNG states."""
     N = 2
@@ -165,6 +168,7 @@ def test_resume_with_two_processes_is_exact(random_model_dir, tmp_path):
     assert not (stopped / "checkpoints" / f"steps_{2 * N + 1}").exists()
 
 
+@pytest.mark.slow
 def test_resuming_with_another_process_count_says_so(random_model_dir, tmp_path, capsys):
     run = tmp_path / "run"
     assert main(flags(random_model_dir, 1, run)) == 0  # one process
@@ -181,6 +185,7 @@ def test_envs_must_split_evenly(random_model_dir, tmp_path, capsys, monkeypatch)
 
 
 # ---------------------------------------------------------------------- a process dies
+@pytest.mark.slow
 def test_killing_one_process_stops_the_other_and_the_run_resumes(random_model_dir, tmp_path):
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
@@ -229,6 +234,7 @@ ITERATIONS, N_ENVS, EPISODE_LENGTH, WINDOW, MARGIN = 48, 16, 2, 8, 0.3
 """As ``tests/test_learning.py`` (one process): the same total envs and iterations, split over 2 processes."""
 
 
+@pytest.mark.slow
 def test_two_processes_learn_relay_sum_with_identical_weights(tmp_path):
     run = tmp_path / "run"
     done = train(tmp_path / "out", [

@@ -145,6 +145,7 @@ def fake_grader(tmp_path):
     grader.close()
 
 
+@pytest.mark.slow
 def test_timeout_kills_and_restarts_worker(fake_grader, caplog):
     responses = ["\\boxed{hang}", "\\boxed{2}", "\\boxed{hang}", "\\boxed{3}"]
     with caplog.at_level(logging.WARNING):
@@ -154,6 +155,7 @@ def test_timeout_kills_and_restarts_worker(fake_grader, caplog):
     assert "timed out" in caplog.text
 
 
+@pytest.mark.slow
 def test_timeout_from_a_thread(fake_grader):
     results = []
     thread = threading.Thread(target=lambda: results.append(fake_grader.grade("\\boxed{hang}", "1")))
@@ -172,6 +174,7 @@ def test_errors_and_worker_crash_are_counted(fake_grader):
 # ---------------------------------------------------------------- real data
 
 
+@pytest.mark.slow
 def test_math500_answers_grade_against_themselves(exact_grader):
     rows = [json.loads(line) for line in need(DATA / "MATH" / "test500.jsonl").read_text().splitlines()]
     answers = [row["answer"] for row in rows]

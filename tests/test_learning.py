@@ -50,6 +50,7 @@ def improvement(rewards: list[float]) -> float:
     return sum(rewards[-WINDOW:]) / WINDOW - sum(rewards[:WINDOW]) / WINDOW
 
 
+@pytest.mark.slow
 def test_appo_raises_the_team_reward(tmp_path):
     rewards = step_rewards(tmp_path)
     assert improvement(rewards) > MARGIN, [round(r, 3) for r in rewards]
@@ -69,6 +70,7 @@ def _mutate_advantages(monkeypatch, how):
     "mutation",
     [pytest.param(lambda a: -a, id="sign_flipped"), pytest.param(lambda a: a * 0.0, id="advantages_zeroed")],
 )
+@pytest.mark.slow
 def test_the_check_fails_without_a_correct_policy_gradient(tmp_path, monkeypatch, mutation):
     """The controls: the same run with the policy gradient negated, or with zero advantages, must fail the check."""
     _mutate_advantages(monkeypatch, mutation)

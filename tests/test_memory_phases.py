@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "memory_phases.py"
 
 
+@pytest.mark.slow
 def test_reports_each_phase_peak_and_the_live_tensors():
     flags = ["--model", "random", "--hidden_size", "64", "--num_layers", "2", "--n_rollout_threads", "4", "--repeats", "1"]
     done = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=600)

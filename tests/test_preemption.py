@@ -253,6 +253,7 @@ def run_child(tmp_path, mode: str, argv: list[str]) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, str(script), mode, *argv], env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_exits_at_once(random_model_dir, tmp_path):
     run = tmp_path / "run"
     result = run_child(tmp_path, "twice", flags(random_model_dir, run, "--save_interval", "1", env="relay_sum"))
@@ -262,6 +263,7 @@ def test_a_second_ctrl_c_exits_at_once(random_model_dir, tmp_path):
     assert find_checkpoint(run) == run / "checkpoints" / "steps_1"
 
 
+@pytest.mark.slow
 def test_ctrl_c_forwarded_within_a_second_counts_once(random_model_dir, tmp_path):
     """One Ctrl-C in a subprocess: exit code 75, one line on stderr after the notice, no traceback."""
     run = tmp_path / "run"
@@ -403,6 +405,7 @@ def test_low_free_space_warns_before_training(random_model_dir, tmp_path, monkey
 
 
 # ---------------------------------------------------------------------- several processes
+@pytest.mark.slow
 def test_sigterm_to_one_of_two_processes_stops_both_with_one_checkpoint(random_model_dir, tmp_path):
     """torchrun, 2 processes: SIGTERM to rank 1 alone (rank 0 never sees it) stops both at the same boundary, both
     save their part of one checkpoint and exit with 75; the run then continues from it with 2 processes."""

@@ -28,6 +28,7 @@ def quick_model(tmp_path_factory) -> str:
     return ensure_tiny_model(str(tmp_path_factory.mktemp("instruct")), recipe=QUICK)
 
 
+@pytest.mark.slow
 def test_the_shipped_embedded_models_have_their_own_names_and_folders(quick_model):
     assert type(embedded_recipe("marft-tiny")) is TinyRecipe and type(embedded_recipe(INSTRUCT_MODEL_NAME)) is InstructRecipe
     assert embedded_recipe("Qwen/Qwen2.5-0.5B") is None

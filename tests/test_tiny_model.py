@@ -29,6 +29,7 @@ def test_random_model_size_overrides(tmp_path):
     assert (config.hidden_size, config.num_hidden_layers) == (48, 3)
 
 
+@pytest.mark.slow
 def test_ensure_tiny_model_builds_once_and_caches(tmp_path):
     first = ensure_tiny_model(str(tmp_path), recipe=QUICK)
     stamp = os.path.getmtime(os.path.join(first, "model.safetensors"))
@@ -39,6 +40,7 @@ def test_ensure_tiny_model_builds_once_and_caches(tmp_path):
     assert other != first  # a different recipe gets its own folder
 
 
+@pytest.mark.slow
 def test_tiny_model_is_deterministic(tmp_path):
     from safetensors.torch import load_file
 
@@ -47,6 +49,7 @@ def test_tiny_model_is_deterministic(tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_build_does_not_depend_on_the_parents_threads_or_kernels(tmp_path, monkeypatch):
     """The build's child pins its own numerics: parents with different threads, ATen kernels and MKL
     code paths build the same weights. (The child inheriting these settings builds different weights:
@@ -63,6 +66,7 @@ def test_build_does_not_depend_on_the_parents_threads_or_kernels(tmp_path, monke
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_failed_build_says_why_and_leaves_nothing(tmp_path):
     with pytest.raises(TinyModelBuildError, match="max\\(\\) .*empty"):  # the child's own error, in the parent
         ensure_tiny_model(str(tmp_path), recipe=TinyRecipe(**{**QUICK.__dict__, "sft_batch_size": 0}))

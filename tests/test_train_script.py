@@ -64,6 +64,7 @@ def test_rows_without_answer_are_skipped_and_counted(tmp_path, caplog):
     assert "line 2" in caplog.text
 
 
+@pytest.mark.slow
 def test_train_math_sh_smoke_run(random_model_dir, tmp_path):
     """The shell entry point end to end with tiny settings, both algorithms share it."""
     out = tmp_path / "run"

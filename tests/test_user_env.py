@@ -192,6 +192,7 @@ def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(ran
     assert moved == {"reasoner", "actor"}
 
 
+@pytest.mark.slow
 def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_path, user_package):
     """The README's walkthrough, shortened: the embedded model never writes ``{d}``; the warm start on the env's
     demonstrations teaches the format (agreement at chance), RL then finds a convention on held-out rounds."""

@@ -101,6 +101,7 @@ def outcome(command, argv: list[str], capsys) -> tuple[str, str]:
     return "error", lines[-1]
 
 
+@pytest.mark.slow
 def test_the_flag_fuzzer_every_field_every_invalid_value(random_model_dir, tmp_path, monkeypatch, capsys, stubbed):
     monkeypatch.chdir(tmp_path)  # --output_dir values that are relative names land here
     run_dir = tmp_path / "run"
@@ -211,6 +212,7 @@ def run_script(script: str, *argv: str) -> subprocess.CompletedProcess:
     ("sft.py", ["--sft_data", "BINARY"], "is not UTF-8 text"),
     ("sft.py", ["--sft_batch_size", "-3"], "error: --sft_batch_size must be >= 1, got -3"),
 ])
+@pytest.mark.slow
 def test_end_to_end_one_line_errors(tmp_path, script, argv, expected):
     if "cuda" in argv and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from team_oracle import play_step
 from marft.algorithms.advantages import agent_chain_gae
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs import MultiAgentTextEnv, StepOutcome
@@ -185,7 +186,7 @@ def run_config(model_dir, tmp_path, profile="reasoner_actor", env="dense_relay_s
 
 @pytest.mark.parametrize("algorithm", ["APPO", "TPPO"])
 def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model_dir, tmp_path, algorithm):
-    """Runner.collect (turn by turn) against the old fixed-order loop (``team.play_step`` per step, every agent's
+    """Runner.collect (turn by turn) against the old fixed-order loop (``play_step`` of tests/team_oracle.py per step, every agent's
     reply at once to ``env.step``), same seed: same transcripts, ids, log-probs, values and advantages."""
     from marft.launch import build_runner
     from marft.rollout.buffer import RolloutBuffer
@@ -202,7 +203,7 @@ def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model
     obs = reference.obs
     with team.headers.frozen():
         for t in range(T):
-            outs = team.play_step(list(obs), list(envs.private_observations), token_values=algorithm == "TPPO")
+            outs = play_step(team, list(obs), list(envs.private_observations), token_values=algorithm == "TPPO")
             for agent, out in enumerate(outs):
                 ref.insert_turn(t, agent, out)
             obs, rewards, terminated, truncated, _ = envs.step([[out.texts[e] for out in outs] for e in range(envs.n_envs)])

@@ -427,8 +427,7 @@ class Runner:
     def _run(self) -> dict:
         if self.config.runner.load_path:
             self.restore(self.config.runner.load_path)
-        before = self._evaluate_and_log(self.start_iteration)
-        calls_before = self.diagnostics.call_distribution()  # whom an orchestrator called, before training
+        before, calls_before = self._evaluate_and_log(self.start_iteration)  # calls: whom an orchestrator called
         self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
         bar = tqdm(range(self.start_iteration, self.n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         for iteration in bar:
@@ -480,17 +479,18 @@ class Runner:
             for key, value in self._over_processes({**stats, **_loss_tags(metrics)}).items():
                 self.writer.add_scalar(key, value, iteration + 1)
 
-    def _evaluate_and_log(self, step: int) -> dict[str, float]:
-        """Evaluate on held-out episodes and log the result (and the transcripts) at ``step``."""
+    def _evaluate_and_log(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Evaluate on held-out episodes and log the result (and the transcripts) at ``step``. Returns the result
+        and, per role, the orchestrator's calls per step in this evaluation (empty without an orchestrator)."""
         result = self.evaluate()
+        calls = self.diagnostics.call_distribution()  # before logging, which starts the next count
         self._log_eval(result, step)
-        return result
+        return result, calls
 
     def _finish(self, before: dict[str, float], calls_before: dict[str, float]) -> dict:
         """After the last iteration: evaluate, save the final checkpoint (unless it exists), write the summary."""
         n_iterations = self.n_iterations
-        after = self._evaluate_and_log(n_iterations)
-        calls_after = self.diagnostics.call_distribution()
+        after, calls_after = self._evaluate_and_log(n_iterations)
         checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
         if n_iterations > self.start_iteration and not self.dist.broadcast_object(checkpoint.exists()):  # rank 0's view
             self.save(n_iterations)
