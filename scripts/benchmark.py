@@ -23,7 +23,7 @@
   ``--env_name code`` trains a Reasoner -> Actor code team on the generated ``f(x)`` tasks (success: every
   hidden test passes). Both run on ``marft-tiny-instruct``, the embedded model whose warm start knows the
   orchestration tags and code (``marft.models.tiny_instruct``).
-* ``rollout``: tokens per second of the team's rollout (``Runner.collect``: every agent on every env,
+* ``rollout``: tokens per second of the team's rollout (``RolloutCollector.collect``: every agent on every env,
   prompts encoded, replies sampled, log-probs scored, values computed) against plain
   ``model.generate`` of the same number of tokens on the same prompt batches, same LoRA adapter.
 * ``update``: seconds per training update (``trainer.update``) against a plain forward + backward +
@@ -385,13 +385,13 @@ def plain_generate(team, turns, adapters: bool = True) -> float:
 def bench_rollout(args) -> dict:
     runner, config, _ = build_runner(args)
     team = runner.team
-    runner.collect()  # warm-up
+    runner.collector.collect()  # warm-up
     marft_s = generate_s = base_s = 0.0
     tokens = reply_tokens = 0
     for r in range(args.repeats):
         synchronize(team.device)
         start = time.perf_counter()
-        buffer, _ = runner.collect()
+        buffer, _ = runner.collector.collect()
         synchronize(team.device)
         collect_s = time.perf_counter() - start
         turns = turns_of(buffer, team.device)
@@ -406,7 +406,7 @@ def bench_rollout(args) -> dict:
         with phase_timer(team, profile):
             synchronize(team.device)
             start = time.perf_counter()
-            runner.collect()
+            runner.collector.collect()
             synchronize(team.device)
             profile["total"] = time.perf_counter() - start
         profile["other"] = profile["total"] - sum(v for k, v in profile.items() if k != "total")
@@ -491,7 +491,7 @@ def bench_update(args) -> dict:
                          "time GRPO against APPO with the iteration benchmark")
     runner, config, _ = build_runner(args)
     team, trainer = runner.team, runner.trainer
-    buffer, _ = runner.collect()
+    buffer, _ = runner.collector.collect()
     trainer.compute_advantages(buffer)
     optimizers = {a: torch.optim.AdamW(team.adapter_parameters(a), lr=config.algo.lr) for a in team.policy_adapters}
     optimizers[CRITIC_ADAPTER] = torch.optim.AdamW(team.critic.trainable_parameters(), lr=config.algo.critic_lr)
@@ -542,7 +542,7 @@ def bench_iteration(args) -> dict:
     for i in range(args.repeats + 1):  # iteration 0 is a warm-up
         synchronize(team.device)
         start = time.perf_counter()
-        buffer, _ = runner.collect(i)
+        buffer, _ = runner.collector.collect(i)
         synchronize(team.device)
         middle = time.perf_counter()
         trainer.compute_advantages(buffer)

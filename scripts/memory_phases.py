@@ -90,7 +90,7 @@ def main(argv=None) -> dict:
     peaks.wrap(trainer, "update_policy", "update_policy")
     for i in range(args.repeats + 1):
         with peaks.phase_of("collect"):
-            buffer, _ = runner.collect(i)
+            buffer, _ = runner.collector.collect(i)
         after_rollout = {"live_tensor_mib": live_tensor_mib(), "resident_mib": resident_mib()}
         with peaks.phase_of("advantages"):
             trainer.compute_advantages(buffer)

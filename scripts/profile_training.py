@@ -13,7 +13,7 @@ import sys
 from torch.profiler import ProfilerActivity, profile
 
 from marft.launch import main
-from marft.training.runner import Runner
+from marft.rollout.collector import RolloutCollector
 
 
 def profiled_main(argv: list[str]) -> int:
@@ -22,7 +22,7 @@ def profiled_main(argv: list[str]) -> int:
     parser.add_argument("--profile_rows", type=int, default=12, help="ops in the printed table")
     args, rest = parser.parse_known_args(argv)
     profiler = profile(activities=[ProfilerActivity.CPU])
-    collect, started = Runner.collect, []
+    collect, started = RolloutCollector.collect, []
 
     def collect_and_start(self, iteration: int = 0):
         if iteration == args.profile_from and not started:
@@ -30,11 +30,11 @@ def profiled_main(argv: list[str]) -> int:
             started.append(iteration)
         return collect(self, iteration)
 
-    Runner.collect = collect_and_start
+    RolloutCollector.collect = collect_and_start
     try:
         return main(rest)
     finally:
-        Runner.collect = collect
+        RolloutCollector.collect = collect
         if started:  # the run reached that iteration
             profiler.stop()
             print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_rows))

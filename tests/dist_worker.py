@@ -88,7 +88,7 @@ def update_cases(model_dir: str, out_dir: Path, dist) -> dict:
         runner = build_runner(config)
         os.environ["WORLD_SIZE"] = str(dist.world_size)
         trainer, team = runner.trainer, runner.team
-        buffer, _ = runner.collect()
+        buffer, _ = runner.collector.collect()
         trainer.compute_advantages(buffer)
         start = trainable(team)
         for optimizer, lr in (("sgd", 1.0), ("adamw", 1e-3)):
@@ -171,7 +171,7 @@ def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
         runner = build_runner(config)
         os.environ["WORLD_SIZE"] = str(dist.world_size)
         trainer, team = runner.trainer, runner.team
-        buffer, _ = runner.collect()
+        buffer, _ = runner.collector.collect()
         trainer.compute_advantages(buffer)
         jobs = [("policy", trainer.update_policy, team.agent_adapters[0], buffer.agent_samples(0, trainer.token_level))]
         if trainer.uses_critic:

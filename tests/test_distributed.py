@@ -273,7 +273,7 @@ def test_gradient_checkpointing_recomputes_layers_and_gives_the_same_update(rand
         for layer in runner.team.bank.checkpointed_layers:
             recompute = layer._gradient_checkpointing_func
             layer._gradient_checkpointing_func = lambda *a, _f=recompute, **k: calls.append(1) or _f(*a, **k)
-        buffer, _ = runner.collect()
+        buffer, _ = runner.collector.collect()
         assert len(calls) == 0, "checkpointing in the rollout"
         runner.trainer.compute_advantages(buffer)
         runner.trainer.update(buffer, 0)

@@ -62,15 +62,15 @@ def grpo_runner(random_model_dir, tmp_path):
 def test_groups_share_one_task_and_groups_differ(grpo_runner):
     runner = grpo_runner
     for iteration in range(2):
-        runner._start_group_round(iteration, 1)
+        runner.collector.start_group_round(iteration, 1)
         tasks = [(env.unwrapped.episode.problem, env.unwrapped.episode.key) for env in runner.envs.envs]
         groups = [tasks[g : g + 2] for g in range(0, 6, 2)]
         assert all(a == b for a, b in groups)  # one task per group
         assert len({g[0] for g in groups}) == 3  # three different tasks
-    runner._start_group_round(0, 0)
-    first = runner.obs
-    runner._start_group_round(0, 0)
-    assert runner.obs == first  # the tasks depend on (seed, rank, iteration, round) only: a resume draws the same
+    runner.collector.start_group_round(0, 0)
+    first = runner.collector.obs
+    runner.collector.start_group_round(0, 0)
+    assert runner.collector.obs == first  # the tasks depend on (seed, rank, iteration, round) only: a resume draws the same
 
 
 def test_a_grpo_run_has_no_critic_anywhere(grpo_runner):
@@ -82,7 +82,7 @@ def test_a_grpo_run_has_no_critic_anywhere(grpo_runner):
     assert CRITIC_ADAPTER not in team.model.peft_config
     assert not any(CRITIC_ADAPTER in name.split(".") for name, _ in team.model.named_parameters())
     assert not trainer.critic_optimizers and not {"critic_optimizer", "critic_optimizers"} & set(trainer.state_dict())
-    buffer, _ = runner.collect(0)  # with no critic object, a critic forward anywhere in the rollout would fail here
+    buffer, _ = runner.collector.collect(0)  # with no critic object, a critic forward anywhere in the rollout would fail here
     assert torch.equal(buffer.values, torch.zeros_like(buffer.values))
     before = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" in n}
     trainer.compute_advantages(buffer)
@@ -111,7 +111,7 @@ def test_episodes_that_end_early_sit_out_their_round(random_model_dir, tmp_path)
         return type(outcome)(rewards=(5.0,) * env0.n_agents, solved=True, feedback="", info={"correct": True})
 
     env0.evaluate = solved_at_once
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     assert buffer.active[:, 0].tolist() == [True, False] and buffer.active[:, 1:].all()
     assert buffer.response_mask[1, 0].sum() == 0  # nothing generated for env 0 at step 2
     runner.trainer.compute_advantages(buffer)
@@ -151,7 +151,7 @@ def test_the_reference_kl_is_zero_at_start_and_grows_as_adapters_move(random_mod
     config = grpo_config(random_model_dir, tmp_path, kl_coef=0.5)
     runner = build_runner(config)
     team, trainer = runner.team, runner.trainer
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     trainer.compute_advantages(buffer)
     samples = buffer.agent_samples(0)
     ref = trainer.reference_logprobs(samples)

@@ -26,7 +26,7 @@ def rollout(tmp_path, **env):
     )
     seed_everything(0)
     runner = build_runner(config)
-    buffer, _ = runner.collect()
+    buffer, _ = runner.collector.collect()
     return runner, buffer
 
 

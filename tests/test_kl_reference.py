@@ -52,7 +52,7 @@ def one_update(random_model_dir, run, load_path, **algo):
     cfg.runner.load_path = str(load_path)
     runner = build_runner(cfg)
     runner.restore(load_path)
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     runner.trainer.compute_advantages(buffer)
     return runner, buffer
 

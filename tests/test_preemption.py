@@ -27,6 +27,8 @@ import pytest
 import torch
 
 import marft.training.checkpoint as checkpoint_module
+import marft.rollout.collector as collector_module
+import marft.rollout.evaluation as evaluation_module
 import marft.training.runner as runner_module
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.faults import ExitCode
@@ -88,14 +90,14 @@ def signal_at(monkeypatch, phase: str, call: int, signum: int = signal.SIGTERM) 
             calls["sent"] = True
 
     if phase in ("rollout", "eval"):
-        original = runner_module.play_team_step
+        module = collector_module if phase == "rollout" else evaluation_module
+        original = module.play_team_step
 
         def play(*args, **kwargs):
-            if ("with_values" in kwargs) == (phase == "rollout"):  # training rollouts pass with_values
-                fire()
+            fire()
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(runner_module, "play_team_step", play)
+        monkeypatch.setattr(module, "play_team_step", play)
     elif phase == "update":
         original = APPOTrainer.update
 
@@ -222,11 +224,11 @@ def test_keep_checkpoints_by_default_keeps_two_and_never_the_only_one(random_mod
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
-    import marft.training.runner as runner_module
+    import marft.rollout.collector as collector_module
     from marft.launch import main
 
     mode, argv = sys.argv[1], sys.argv[2:]
-    original = runner_module.play_team_step
+    original = collector_module.play_team_step
     calls = {"n": 0}
 
     def play(*args, **kwargs):
@@ -240,7 +242,7 @@ CHILD = textwrap.dedent(
                     time.sleep(5)
         return original(*args, **kwargs)
 
-    runner_module.play_team_step = play
+    collector_module.play_team_step = play
     sys.exit(main(argv))
     """
 )

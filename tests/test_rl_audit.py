@@ -205,7 +205,7 @@ def test_runner_bootstraps_a_truncated_episode_from_its_final_observation(random
     trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration)
     runner = Runner(config, team, trainer, TextVectorEnv([make_env] * 3), make_env, tmp_path)
     with torch.no_grad():
-        buffer, _ = runner.collect()
+        buffer, _ = runner.collector.collect()
     assert buffer.truncated.all() and not buffer.terminated.any()  # wrong answers, cut after one attempt
     assert (buffer.final_values != 0).all()
     trainer.compute_advantages(buffer)

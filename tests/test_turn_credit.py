@@ -279,7 +279,7 @@ def test_a_graph_rollout_puts_a_parallel_layer_in_one_layer(random_model_dir, tm
     from marft.launch import build_runner
 
     runner = build_runner(run_config(random_model_dir, tmp_path, profile="solvers_verifier_graph", env="math"))
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     assert buffer.layer[:, :, :3].tolist() == [[[0, 0, 1]] * 3] * 3
 
 

@@ -186,21 +186,21 @@ def run_config(model_dir, tmp_path, profile="reasoner_actor", env="dense_relay_s
 
 @pytest.mark.parametrize("algorithm", ["APPO", "TPPO"])
 def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model_dir, tmp_path, algorithm):
-    """Runner.collect (turn by turn) against the old fixed-order loop (``play_step`` of tests/team_oracle.py per step, every agent's
+    """RolloutCollector.collect (turn by turn) against the old fixed-order loop (``play_step`` of tests/team_oracle.py per step, every agent's
     reply at once to ``env.step``), same seed: same transcripts, ids, log-probs, values and advantages."""
     from marft.launch import build_runner
     from marft.rollout.buffer import RolloutBuffer
 
     runner = build_runner(run_config(random_model_dir, tmp_path, algorithm_name=algorithm))
     torch.manual_seed(11)
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     runner.trainer.compute_advantages(buffer)
 
     reference = build_runner(run_config(random_model_dir, tmp_path / "ref", algorithm_name=algorithm))
     team, envs, T = reference.team, reference.envs, 3
     ref = RolloutBuffer(T, envs.n_envs, team.n_agents, team.prompts.max_prompt_len, 6, team.pad_id)
     torch.manual_seed(11)
-    obs = reference.obs
+    obs = reference.collector.obs
     with team.headers.frozen():
         for t in range(T):
             outs = play_step(team, list(obs), list(envs.private_observations), token_values=algorithm == "TPPO")
@@ -231,7 +231,7 @@ def test_a_chain_graph_profile_trains_exactly_like_the_plain_list(random_model_d
         runner = build_runner(run_config(random_model_dir, tmp_path / profile.replace("/", "_"), profile=profile))
         assert runner.envs.bases[0].workflow.name == ("sequential" if profile == "reasoner_actor" else "graph")
         torch.manual_seed(5)
-        buffer, _ = runner.collect(0)
+        buffer, _ = runner.collector.collect(0)
         runner.trainer.compute_advantages(buffer)
         runner.trainer.update(buffer, 0)
         results.append((buffer, {n: p.detach().clone() for n, p in runner.team.model.named_parameters() if "lora_" in n}))
@@ -248,7 +248,7 @@ def test_an_orchestrated_rollout_routes_envs_differently_and_trains_every_agent(
     runner = build_runner(run_config(random_model_dir, tmp_path, profile="route_orchestrated_anonymous", env="dense_route"))
     team = runner.team
     before = {a: [p.detach().clone() for p in team.adapter_parameters(a)] for a in team.policy_adapters}
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     S = 2 * 5 + 1
     assert buffer.agent.shape == (3, 3, S)
     turns = buffer.played.sum(-1)  # (T, E) turns per step
@@ -269,9 +269,11 @@ def test_invalid_orchestrator_replies_are_counted_by_the_trainer(random_model_di
     from marft.launch import build_runner
 
     runner = build_runner(run_config(random_model_dir, tmp_path, profile="route_orchestrated_anonymous", env="dense_route"))
-    buffer, _ = runner.collect(0)
+    buffer, stats = runner.collector.collect(0)
     assert (buffer.played.sum(-1) == 1).all()  # the orchestrator's one turn per step
-    assert runner.trainer.counters["orchestrator_invalid"] == 3 * 3  # T x E
+    assert stats["invalid_orchestrator_replies"] == 3 * 3  # T x E
+    runner._iteration(0)  # the runner adds each rollout's count to the trainer's counters
+    assert runner.trainer.counters["orchestrator_invalid"] == 3 * 3
     assert "orchestrator_invalid" in runner.trainer.state_dict()["counters"]
 
 
@@ -283,7 +285,7 @@ def test_train_orchestrator_false_keeps_the_orchestrator_as_it_is(random_model_d
     assert runner.trainer.agents_to_train(0) == [0, 1]
     orchestrator = runner.team.agent_adapters[2]
     before = [p.detach().clone() for p in runner.team.adapter_parameters(orchestrator)]
-    buffer, _ = runner.collect(0)
+    buffer, _ = runner.collector.collect(0)
     runner.trainer.compute_advantages(buffer)
     runner.trainer.update(buffer, 0)
     assert all(torch.equal(p, q) for p, q in zip(before, runner.team.adapter_parameters(orchestrator)))

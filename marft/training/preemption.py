@@ -137,7 +137,7 @@ def rollout_start(runner) -> dict:
 
     return {
         "envs": copy.deepcopy(runner.envs.state_dict()),
-        "episode_returns": runner.episode_returns.copy(),
+        "episode_returns": runner.collector.episode_returns.copy(),
         "counters": copy.deepcopy(dict(runner.trainer.counters)),
         "env_steps": runner.env_steps,
         "rng": rng_state(),
@@ -149,8 +149,8 @@ def rewind(runner, state: dict) -> None:
     iteration started from, and the continuation replays the abandoned rollout exactly."""
     from marft.training.checkpoint import set_rng_state
 
-    runner.obs = runner.envs.load_state_dict(state["envs"])
-    runner.episode_returns = np.asarray(state["episode_returns"], dtype=np.float64)
+    runner.collector.obs = runner.envs.load_state_dict(state["envs"])
+    runner.collector.episode_returns = np.asarray(state["episode_returns"], dtype=np.float64)
     runner.trainer.counters.clear()
     runner.trainer.counters.update(state["counters"])
     runner.env_steps = state["env_steps"]

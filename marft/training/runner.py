@@ -28,13 +28,13 @@ from tqdm import tqdm
 from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
-from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveFailed, TrainingStopped, oom_message
 from marft.rollout.buffer import RolloutBuffer
+from marft.rollout.collector import RolloutCollector, RolloutNeeds
+from marft.rollout.evaluation import evaluate_episodes
 from marft.training.diagnostics import TeamDiagnostics, write_transcripts
 from marft.training.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
 from marft.training.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
-from marft.rollout.turns import play_team_step
 from marft.training.checkpoint import (
     cleanup_partial_checkpoints,
     config_changes,
@@ -95,8 +95,9 @@ class Runner:
         self.env_steps = 0  # all processes together
         self.n_iterations = config.num_iterations
         """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
-        self.obs, _ = envs.reset(seed=config.runner.seed + dist.rank * envs.n_envs)  # rank r's env k: seed + r * E/P + k
-        self.episode_returns = np.zeros(envs.n_envs)  # running team return per env
+        needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=trainer.group_relative)
+        self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
+        """Plays the training envs into rollout buffers; holds each env's observation and running return."""
         if trainer.group_relative:
             trainer.round_length = config.env.horizon  # one group episode per env per round of `horizon` steps
         if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
@@ -127,168 +128,23 @@ class Runner:
         except OSError as error:
             self._write_failed(str(path), error)
 
-    # ------------------------------------------------------------------ rollout
-    def collect(self, iteration: int = 0) -> tuple[RolloutBuffer, dict]:
-        """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer."""
-        with self.team.headers.frozen():  # role headers run once per rollout
-            return self._collect(iteration)
-
-    def _start_group_round(self, iteration: int, round_index: int) -> None:
-        """Reset every env for a round of group episodes (critic-free trainers): envs ``g·G .. g·G + G - 1`` get
-        one task, different groups different tasks (while there are enough), drawn from ``(seed, rank, iteration,
-        round)`` alone, so a resumed run draws the same tasks."""
-        G, E = self.config.algo.group_size, self.envs.n_envs
-        rng = np.random.default_rng([self.config.runner.seed, self.dist.rank, iteration, round_index])
-        n_tasks = self.envs.num_tasks
-        tasks = rng.choice(n_tasks, size=E // G, replace=E // G > n_tasks).repeat(G)  # (E,)
-        self.obs, _ = self.envs.reset(options=[{TASK_INDEX: int(task)} for task in tasks])
-        self.episode_returns[:] = 0.0
-
-    def _collect(self, iteration: int) -> tuple[RolloutBuffer, dict]:
-        rc, team, trainer = self.config.runner, self.team, self.trainer
-        T, E, N = rc.episode_length, self.envs.n_envs, team.n_agents  # this process's envs
-        bases = self.envs.bases
-        buffer = RolloutBuffer(T, E, N, team.prompts.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
-                               slots_per_step=bases[0].workflow.max_turns_per_step)
-        finished_returns, finished_correct, tokens = [], [], 0
-        horizon = self.config.env.horizon
-        live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
-        start = time.perf_counter()
-        for step in range(T):
-            self.preemption.poll_rollout()  # a stop abandons the rollout here (run() rewinds to the iteration's start)
-            if trainer.group_relative and step % horizon == 0:  # a new round: every group starts one episode
-                self._start_group_round(iteration, step // horizon)
-                live[:] = True
-            if not live.any():
-                continue
-            rows = np.flatnonzero(live)  # every env, except in a round whose episodes ended early
-            # 1. the team plays one step on every env, turn by turn (the critic, if any, values each turn)
-            played = play_team_step(
-                team, [bases[e] for e in rows], [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
-                with_values=trainer.uses_critic, token_values=trainer.token_level,
-            )
-            next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
-            for batch in played:
-                buffer.insert_turn(step, batch.agent, batch.out, envs=rows[batch.rows], slots=next_slot[batch.rows], layer=batch.moment)
-                next_slot[batch.rows] += 1
-                tokens += int(batch.out.response_mask.sum())
-            invalid = self.diagnostics.count_step([bases[e].turns for e in rows])
-            if ORCHESTRATOR_INVALID in trainer.counters:  # a counter the trainer checkpoints, so it survives a resume
-                trainer.counters[ORCHESTRATOR_INVALID] += invalid
-            # 2. the envs grade the step's replies (through step(actions), so wrappers see them); finished episodes
-            # restart in the same call
-            actions = [bases[e].turn_actions() if live[e] else None for e in range(E)]
-            self.obs, rewards, terminated, truncated, infos = self.envs.step(actions, active=None if live.all() else live)
-            buffer.insert_step(step, rewards, terminated, truncated)
-            if truncated.any() and trainer.uses_critic:  # a truncated episode bootstraps from its final observation's value
-                buffer.final_values[step] = self._final_values(infos, truncated)
-            if trainer.group_relative:  # an env whose episode ended sits out the rest of its round
-                live &= ~(terminated | truncated)
-            self.episode_returns += np.asarray(rewards, dtype=np.float64).mean(-1)
-            for e in np.flatnonzero(terminated | truncated):
-                finished_returns.append(self.episode_returns[e])
-                final_info = infos["final_info"]
-                if "correct" in final_info and final_info["_correct"][e]:
-                    finished_correct.append(float(final_info["correct"][e]))
-                self.episode_returns[e] = 0.0
-        if trainer.uses_critic and not buffer.dones[T - 1].all():  # the value of each env's next turn bootstraps unfinished episodes
-            with torch.no_grad():
-                buffer.values[T, :, 0] = self._first_turn_values(self.obs, self.envs.private_observations)
-        seconds = time.perf_counter() - start
-        self.env_steps += T * rc.n_rollout_threads  # all processes' envs
-        stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
-        if finished_returns:
-            stats["charts/episode_return"] = float(np.mean(finished_returns))
-        if finished_correct:
-            stats["charts/accuracy"] = float(np.mean(finished_correct))
-        stats["charts/step_reward"] = float(buffer.agent_rewards.mean())
-        stats["charts/truncated_episodes"] = float(buffer.truncated.sum())
-        return buffer, stats
-
-    @torch.no_grad()
-    def _first_turn_values(self, observations, private) -> torch.Tensor:
-        """``(B,)`` the critic's value of each observation as the first turn of a team step (its workflow's first
-        speaker: agent 0 in profile order, the orchestrator when there is one)."""
-        first = self.envs.bases[0].workflow.first_speaker
-        prompt_ids, prompt_mask = self.team.encode_prompts(first, list(observations), [[] for _ in observations], [texts[first] for texts in private])
-        return self.team.critic.values(prompt_ids, prompt_mask, agent=first).float().cpu()
-
-    @torch.no_grad()
-    def _final_values(self, infos: dict, truncated: np.ndarray) -> torch.Tensor:
-        """``(E,)`` the critic's value of each truncated episode's final observation (as the first turn that never
-        came), 0 for the other envs."""
-        rows = np.flatnonzero(truncated)
-        values = torch.zeros(len(truncated))
-        values[torch.as_tensor(rows)] = self._first_turn_values(
-            [infos["final_obs"][e] for e in rows], [infos["final_info"][PRIVATE_KEY][e] for e in rows]
-        )
-        return values
-
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, n_episodes: int | None = None, make_env: Callable | None = None) -> dict[str, float]:
-        """Held-out evaluation on its own RNG stream, so evaluating never changes what training samples.
+        """Held-out evaluation (:func:`~marft.rollout.evaluation.evaluate_episodes`) on its own RNG stream, so
+        evaluating never changes what training samples; keeps the episodes in :attr:`last_transcripts`.
 
         ``make_env`` builds the environments to evaluate on (default: the held-out ``make_eval_env``)."""
+        rc = self.config.runner
         devices = [self.team.device] if self.team.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.config.runner.seed + 1_000_000 + self.dist.rank)
+            torch.manual_seed(rc.seed + 1_000_000 + self.dist.rank)
             with self.team.headers.frozen():
-                return self._evaluate(n_episodes, make_env or self.make_eval_env)
-
-    def _evaluate(self, n_episodes: int | None, make_env: Callable) -> dict[str, float]:
-        """Play held-out episodes with the current team (sampling as in training).
-
-        Environments that set ``num_tasks`` are evaluated on tasks ``k % num_tasks``
-        for episodes ``k = 0..n-1`` (more episodes than problems revisit them with fresh samples,
-        which lowers the variance of the estimate); others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
-        whose last step was correct, when the env reports ``correct``) and mean team ``return``.
-        With P processes, rank r plays episodes ``k = r, r + P, ...`` and the results are summed over processes.
-        """
-        rc, team = self.config.runner, self.team
-        probe = make_env()
-        n = n_episodes or rc.eval_episodes
-        episodes = list(range(n))[self.dist.rank :: self.dist.world_size]
-        envs = [probe] + [make_env() for _ in range(min(rc.n_eval_threads, len(episodes)) - 1)]
-        returns, correct, transcripts = [], [], []
-        self.diagnostics.reset("eval")
-        for first in range(0, len(episodes), len(envs)):
-            batch = episodes[first : first + len(envs)]
-            obs, infos = zip(*[
-                env.reset(seed=rc.seed + 1_000_000 + k, options={TASK_INDEX: k % env.unwrapped.num_tasks} if env.unwrapped.num_tasks else None)
-                for env, k in zip(envs, batch)
-            ])
-            obs = list(obs)
-            live = list(range(len(batch)))
-            ep_return = np.zeros(len(batch))
-            last_correct = np.zeros(len(batch))
-            private = [info[PRIVATE_KEY] for info in infos]
-            turns = [[] for _ in batch]  # per episode, every step's turns with the speaking role
-            while live:
-                bases = [envs[i].unwrapped for i in live]
-                play_team_step(team, bases, [obs[i] for i in live], [private[i] for i in live])
-                self.diagnostics.count_step([base.turns for base in bases], evaluation=True)
-                still_live = []
-                for base, i in zip(bases, live):
-                    turns[i].append([{"role": role, "text": text} for role, text in base.spoken_turns()])
-                    obs[i], rewards, terminated, truncated, info = envs[i].step(base.turn_actions())
-                    private[i] = info[PRIVATE_KEY]
-                    ep_return[i] += float(np.mean(rewards))
-                    last_correct[i] = float(info.get("correct", 0.0))
-                    if not (terminated or truncated):
-                        still_live.append(i)
-                live = still_live
-            returns.extend(ep_return.tolist())
-            correct.extend(last_correct.tolist())
-            transcripts.extend(
-                {"episode": k, "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i])}
-                for i, k in enumerate(batch)
-            )
-        self.last_transcripts = transcripts
-        if self.dist.enabled:
-            total_correct, total_return, count = self.dist.sum_floats([sum(correct), sum(returns), len(returns)])
-            return {"accuracy": total_correct / count, "return": total_return / count, "episodes": int(count)}
-        return {"accuracy": float(np.mean(correct)), "return": float(np.mean(returns)), "episodes": len(returns)}
+                result, self.last_transcripts = evaluate_episodes(
+                    self.team, make_env or self.make_eval_env, n_episodes or rc.eval_episodes, rc.seed, rc.n_eval_threads,
+                    self.diagnostics, self.dist,
+                )
+        return result
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
@@ -304,7 +160,7 @@ class Runner:
             "roles": self.roles,
             "next_agents": self.trainer.agents_to_train(iteration),  # position in the agent schedule
             "counters": dict(self.trainer.counters),
-            "episode_returns": self.episode_returns.tolist(),
+            "episode_returns": self.collector.episode_returns.tolist(),
             "envs": self.envs.state_dict(),
             "world_size": self.dist.world_size,
         }
@@ -384,8 +240,8 @@ class Runner:
         E = self.envs.n_envs  # this process's share
         if "envs" in state and same_envs and len(state["envs"]) == E * self.dist.world_size:
             share = slice(self.dist.rank * E, (self.dist.rank + 1) * E)
-            self.obs = self.envs.load_state_dict(state["envs"][share])
-            self.episode_returns = np.asarray(state["episode_returns"][share], dtype=np.float64)
+            self.collector.obs = self.envs.load_state_dict(state["envs"][share])
+            self.collector.episode_returns = np.asarray(state["episode_returns"][share], dtype=np.float64)
         else:
             logger.warning("environment states not restored (older checkpoint, or env or thread count changed): fresh episodes")
         # Later TensorBoard events replace those a crashed run logged after this checkpoint.
@@ -441,10 +297,14 @@ class Runner:
         # 1. collect: the team plays episode_length steps on every env (a stop signal rewinds and saves)
         before_rollout = rollout_start(self)
         try:
-            buffer, stats = self.collect(iteration)
+            buffer, stats = self.collector.collect(iteration)
         except RolloutAbandoned:
             rewind(self, before_rollout)
             self._preempted(iteration)
+        self.env_steps += self.config.runner.episode_length * self.config.runner.n_rollout_threads  # all processes' envs
+        invalid = stats.pop("invalid_orchestrator_replies")
+        if ORCHESTRATOR_INVALID in self.trainer.counters:  # a counter the trainer checkpoints, so it survives a resume
+            self.trainer.counters[ORCHESTRATOR_INVALID] += invalid
         # 2. advantages: credit per turn, the estimators of the trainer's algorithm
         phase = time.perf_counter()
         self.trainer.compute_advantages(buffer)
