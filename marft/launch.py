@@ -184,7 +184,7 @@ def build_team(config: TrainConfig, profile, dist=None):
         model, tokenizer = load_base_model(config.model)
     seed_everything(config.runner.seed)
     team = AgentTeam(model, tokenizer, profile, config.model, with_critic=trainer_class(config.algo.algorithm_name).uses_critic)
-    trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration, dist=dist)
+    trainer = make_trainer(team, config.algo, steps_per_iteration=config.steps_per_iteration, dist=dist, horizon=config.env.horizon)
     if dist.enabled:
         dist.broadcast_parameters((team.critic.trainable_parameters() if team.critic else []) + [p for a in team.policy_adapters for p in team.adapter_parameters(a)])
         seed_everything(config.runner.seed + dist.rank)  # each process samples its own replies

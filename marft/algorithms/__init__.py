@@ -20,9 +20,13 @@ def trainer_class(name: str):
     return getattr(importlib.import_module(module), attr)
 
 
-def make_trainer(team, config, steps_per_iteration: int, dist=None):
+def make_trainer(team, config, steps_per_iteration: int, dist=None, horizon: int = 1):
     """The trainer registered under ``config.algorithm_name``; ``steps_per_iteration`` (env steps collected per
     iteration, all processes together) converts the agent schedule, counted in env steps, into iterations;
-    ``dist`` is the process group of a data-parallel run (None: one process)."""
-    kwargs = {} if dist is None else {"dist": dist}
-    return trainer_class(config.algorithm_name)(team, config, steps_per_iteration=steps_per_iteration, **kwargs)
+    ``dist`` is the process group of a data-parallel run (None: one process); ``horizon``: the env's team steps per
+    episode (a group-relative trainer's round: one group episode per env per round)."""
+    cls = trainer_class(config.algorithm_name)
+    trainer = cls(team, config, steps_per_iteration=steps_per_iteration, **({} if dist is None else {"dist": dist}))
+    if cls.group_relative:
+        trainer.round_length = horizon
+    return trainer

@@ -35,7 +35,7 @@ class GRPOTrainer(PPOTrainer):
         super().__init__(*args, **kwargs)
         self.counters["zero_variance_groups"] = 0
         self.round_length = 1
-        """Team steps per group round (the env's horizon); the runner sets it."""
+        """Team steps per group round (the env's horizon; :func:`~marft.algorithms.make_trainer` sets it)."""
 
     @property
     def per_token(self) -> bool:

@@ -98,8 +98,6 @@ class Runner:
         needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=trainer.group_relative)
         self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
-        if trainer.group_relative:
-            trainer.round_length = config.env.horizon  # one group episode per env per round of `horizon` steps
         if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
             trainer.counters.setdefault(ORCHESTRATOR_INVALID, 0)
 
