@@ -23,6 +23,8 @@ setup(
         "tokenizers>=0.21",
         "safetensors>=0.4",
         "matplotlib>=3.8",
+        "pyyaml>=6.0",
     ],
     extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["marft=marft.cli.main:main"]},
 )

@@ -15,9 +15,10 @@ returns the run summary; the command line (``python -m marft.launch``, ``scripts
 
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 
-__all__ = ["AlgoConfig", "EnvConfig", "ModelConfig", "RunnerConfig", "TrainConfig", "make", "register", "train"]
+__all__ = ["AlgoConfig", "EnvConfig", "ModelConfig", "RunnerConfig", "TrainConfig", "evaluate", "export", "make", "play", "register", "train"]
 
-_LAZY = {"make": "marft.envs", "register": "marft.envs", "train": "marft.launch"}
+_LAZY = {"make": "marft.envs", "register": "marft.envs", "train": "marft.launch", "evaluate": "marft.trained.evaluate",
+         "export": "marft.trained.export", "play": "marft.trained.play"}
 """Names imported on first use, so ``import marft`` (and ``import marft.config``) load no torch."""
 
 

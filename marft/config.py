@@ -309,6 +309,12 @@ class TrainConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
+    def to_yaml(self) -> str:
+        """The resolved config as a YAML run config (``--config`` reads it back)."""
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
 
 SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner": RunnerConfig}
 
@@ -403,14 +409,109 @@ def build_parser(description: str = "Train an LLM agent team with multi-agent PP
 
 
 def parse_sections(argv: list[str], sections: dict, description: str) -> tuple[dict, set[str], argparse.ArgumentParser]:
-    """``({section: {field: value}}, given field names, parser)`` for the flags of ``sections``."""
+    """``({section: {field: value}}, given field names, parser)`` for the flags of ``sections``.
+
+    ``--config FILE.yaml`` (anywhere in ``argv``) fills fields first (:func:`read_yaml_config`); flags given on the
+    command line override it. Fields set in the file count as given."""
+    argv, yaml_path = _split_config_flag(argv)
     parser = build_parser(description, sections=sections)
+    parser.add_argument("--config", metavar="FILE.yaml", help="a YAML run config: the config fields, flat or by section; flags override it")
+    from_file = {}
+    if yaml_path is not None:
+        try:
+            from_file = read_yaml_config(yaml_path, sections)
+        except (OSError, ValueError) as error:
+            parser.error(str(error))
+        parser.set_defaults(**{f"{section}.{name}": value for section, fields in from_file.items() for name, value in fields.items()})
     values = {section: {} for section in sections}
     for key, value in vars(parser.parse_args(argv)).items():
+        if key == "config":
+            continue
         section, name = key.split(".", 1)
         values[section][name] = value
     given = {key.split(".", 1)[1] for key in vars(build_parser(description, with_defaults=False, sections=sections).parse_args(argv))}
-    return values, given, parser
+    return values, given | {name for fields in from_file.values() for name in fields}, parser
+
+
+def _split_config_flag(argv: list[str]) -> tuple[list[str], str | None]:
+    """``argv`` without ``--config FILE`` / ``--config=FILE``, and that file (None: not given)."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        if argv[i] == "--config" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+            continue
+        if argv[i].startswith("--config="):
+            path = argv[i].split("=", 1)[1]
+        else:
+            rest.append(argv[i])
+        i += 1
+    return rest, path
+
+
+def read_yaml_config(path: str, sections: dict | None = None) -> dict[str, dict[str, Any]]:
+    """A YAML run config as ``{section: {field: value}}``: the file maps field names to values, either flat
+    (``lr: 0.001``) or under their sections (``algo: {lr: 0.001}``). Values are checked against the fields' types
+    (strings are read as the flag would read them).
+
+    Raises:
+        ValueError: not a mapping, an unknown key (the message names the nearest valid one), a field set twice, or
+            a value of the wrong type. FileNotFoundError: no such file.
+    """
+    import difflib
+
+    import yaml
+
+    sections = sections or SECTIONS
+    try:
+        with open(path, encoding="utf-8") as file:
+            data = yaml.safe_load(file)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a run config is a mapping of config fields to values, got a {type(data).__name__}")
+    owner = {f.name: section for section, cls in sections.items() for f in dataclasses.fields(cls)}
+    hints = {section: get_type_hints(cls) for section, cls in sections.items()}
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in sections and isinstance(value, dict):
+            pairs = [(name, item, key) for name, item in value.items()]
+        else:
+            pairs = [(key, value, None)]
+        for name, item, section in pairs:
+            if name not in owner or (section is not None and owner[name] != section):
+                valid = [n for n, s in owner.items() if section is None or s == section] + ([] if section else list(sections))
+                near = difflib.get_close_matches(str(name), valid, n=1)
+                where = f" in section {section!r}" if section else ""
+                raise ValueError(f"{path}: unknown key {name!r}{where}" + (f"; did you mean {near[0]!r}?" if near else ""))
+            if name in flat:
+                raise ValueError(f"{path}: {name!r} is set twice")
+            flat[name] = _yaml_value(path, name, hints[owner[name]][name], item)
+    out: dict[str, dict[str, Any]] = {}
+    for name, value in flat.items():
+        out.setdefault(owner[name], {})[name] = value
+    return out
+
+
+def _yaml_value(path: str, name: str, hint: Any, value: Any) -> Any:
+    """``value`` from YAML for a field of type ``hint``: a string converted as its flag would be, other values
+    checked (an int is a float; a bool is not an int)."""
+    if isinstance(value, str):
+        try:
+            return _flag_type(hint)(value)
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+            raise ValueError(f"{path}: {name}: {error}") from None
+    args = getattr(hint, "__args__", None)
+    if value is None and args and type(None) in args:
+        return None
+    inner = next((a for a in args if a is not type(None)), hint) if args else hint
+    ok = (isinstance(value, bool) if inner is bool else
+          isinstance(value, int) and not isinstance(value, bool) if inner is int else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if inner is float else isinstance(value, inner))
+    if not ok:
+        raise ValueError(f"{path}: {name} must be {getattr(inner, '__name__', inner)}, got {value!r}")
+    return float(value) if inner is float else value
 
 
 def parse_config(argv: Optional[list[str]] = None) -> tuple[TrainConfig, set[str]]:

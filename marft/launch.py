@@ -309,9 +309,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     return ExitCode.OK
 
 
-if __name__ == "__main__":
+def run_main(argv: Optional[list[str]] = None) -> int:
+    """:func:`main`, then stop signals ignored until the process exits (``python -m marft.launch``, ``marft train``)."""
     from marft.training.preemption import ignore_stop_signals
 
-    code = main()
+    code = main(argv)
     ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit
-    sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run_main())

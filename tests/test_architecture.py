@@ -11,7 +11,8 @@ The layers, lowest first (a module may import its own layer and the layers below
 * training — the loop and its phases, checkpoints, preemption, storage, diagnostics
 * sft — the supervised warm start
 * models — loading a base model, building the embedded ones (a warm start on env transcripts)
-* cli — the command-line entry points and the package's facade
+* apps — training a team (launch), and working with a trained one: evaluate, export, play
+* cli — the ``marft`` command and its subcommands, and the package's facade
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training", ("marft.training",)),
     ("sft", ("marft.sft",)),
     ("models", ("marft.models",)),
-    ("cli", ("marft.launch", "marft.cli", "marft")),
+    ("apps", ("marft.launch", "marft.trained")),
+    ("cli", ("marft.cli", "marft")),
 ]
 
 

@@ -27,6 +27,7 @@ L = reply length, V = vocabulary):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -263,6 +264,11 @@ class AgentTeam(nn.Module):
             ).logprobs
         return TurnOutput(prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, logprobs,
                           self.decode(replies.response_ids, replies.response_mask))
+
+    def set_top_k(self, top_k: int) -> None:
+        """Sample among the ``top_k`` most likely tokens from now on (1: greedy replies, for an evaluation)."""
+        self.sampling = dataclasses.replace(self.sampling, top_k=top_k)
+        self.backend = make_backend(self.config.generation_backend, self.headers, self.sampling, self.backend.logprobs_from_generate)
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+from tqdm import tqdm
 
 from marft.agents.team import AgentTeam
 from marft.distributed import SINGLE, Distributed
@@ -14,7 +15,7 @@ from marft.rollout.turns import play_team_step
 
 
 def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed: int, n_eval_threads: int, diagnostics,
-                      dist: Distributed = SINGLE) -> tuple[dict[str, float], list[dict]]:
+                      dist: Distributed = SINGLE, progress: bool = False) -> tuple[dict[str, float], list[dict]]:
     """Play held-out episodes with the current team (sampling as in training).
 
     Environments that set ``num_tasks`` are evaluated on tasks ``k % num_tasks``
@@ -22,13 +23,15 @@ def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed
     which lowers the variance of the estimate); others on episodes seeded ``seed + 1_000_000 + k``. Returns ``accuracy`` (share of episodes
     whose last step was correct, when the env reports ``correct``) and mean team ``return``.
     With P processes, rank r plays episodes ``k = r, r + P, ...`` and the results are summed over processes.
-    Also returns this process's episodes as transcripts (every turn with its speaking role).
+    Also returns this process's episodes as transcripts (every turn with its speaking role). ``progress``: a
+    progress bar over the episodes.
     """
     probe = make_env()
     episodes = list(range(n_episodes))[dist.rank :: dist.world_size]
     envs = [probe] + [make_env() for _ in range(min(n_eval_threads, len(episodes)) - 1)]
     returns, correct, transcripts = [], [], []
     diagnostics.reset("eval")
+    bar = tqdm(total=len(episodes), desc="eval", unit="episode", dynamic_ncols=True, disable=not progress or None)
     for first in range(0, len(episodes), len(envs)):
         batch = episodes[first : first + len(envs)]
         obs, infos = zip(*[
@@ -61,6 +64,8 @@ def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed
             {"episode": k, "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i])}
             for i, k in enumerate(batch)
         )
+        bar.update(len(batch))
+    bar.close()
     if dist.enabled:
         total_correct, total_return, count = dist.sum_floats([sum(correct), sum(returns), len(returns)])
         return {"accuracy": total_correct / count, "return": total_return / count, "episodes": int(count)}, transcripts

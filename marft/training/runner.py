@@ -83,6 +83,7 @@ class Runner:
         self.writer = self._open_writer()
         if dist.is_main:
             self._write_file(self.run_dir / "config.json", config.to_json())
+            self._write_file(self.run_dir / "config.yaml", config.to_yaml())  # the resolved run config: --config reads it
             cleanup_partial_checkpoints(self.checkpoint_dir)
             warn_if_low_space(self.run_dir, expected_checkpoint_bytes(team), config.runner.keep_checkpoints)
             self.writer.add_text("config", _markdown_table(config.to_dict()))

@@ -1,0 +1,54 @@
+"""``marft eval``: a checkpoint (or the base model) on an environment's held-out split (:func:`marft.trained.evaluate.evaluate`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from marft.cli.common import int_list, parser, run
+
+
+def build_parser():
+    p = parser("marft eval", "Evaluate a trained team on held-out tasks: pass@k, success, per-role statistics, transcripts.")
+    p.add_argument("--load_path", help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
+    p.add_argument("--base_model", action="store_true", help="evaluate the untrained team (fresh adapters) of the checkpoint's or the flags' config: the 'before' figure")
+    p.add_argument("--env_name", help="evaluate on this environment instead of the checkpoint's")
+    p.add_argument("--dataset_path", help="the held-out data (e.g. a MATH500 JSONL); default: the run's test split")
+    p.add_argument("--n", type=int, default=1, help="samples per task")
+    p.add_argument("--k", type=int_list, default=[1], help="pass@k for these k (comma-separated, each at most --n)")
+    p.add_argument("--episodes", type=int, help="play this many episodes (task = episode %% tasks) instead of --n per task; "
+                   "with the run's --eval_episodes it replays the evaluation training printed")
+    p.add_argument("--greedy", action="store_true", help="also report the success of one greedy pass per task (top-k 1)")
+    p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run(lambda: evaluate_from_args(args))
+
+
+def evaluate_from_args(args: argparse.Namespace) -> int:
+    from marft.trained.evaluate import checkpoint_config, evaluate
+
+    if args.load_path is None:
+        raise ValueError("--load_path is required (a checkpoint or a run directory); with --base_model its config is used without its adapters")
+    if args.n < 1 or (args.episodes is not None and args.episodes < 1):
+        raise ValueError("--n and --episodes must be at least 1")
+    config, _ = checkpoint_config(args.load_path)
+    if args.env_name:
+        config.env.env_name = args.env_name
+    if args.dataset_path:
+        config.env.eval_dataset_path = args.dataset_path
+    if args.n_eval_threads:
+        config.runner.n_eval_threads = args.n_eval_threads
+    summary = evaluate(None if args.base_model else args.load_path, config=config, n=args.n, k=args.k, episodes=args.episodes,
+                       greedy=args.greedy, output_dir=args.output_dir, seed=args.seed)
+    print(json.dumps(summary, indent=2), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

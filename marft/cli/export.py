@@ -1,0 +1,26 @@
+"""``marft export``: a checkpoint's team to a self-contained folder (:func:`marft.trained.export.export`)."""
+
+from __future__ import annotations
+
+from marft.cli.common import parser, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("marft export", "Export a trained team: one PEFT adapter folder per role, team.json and a model card.")
+    p.add_argument("--load_path", required=True, help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
+    p.add_argument("--output_dir", required=True, help="a new (or empty) folder")
+    p.add_argument("--merge", action="store_true", help="also save each role's adapter merged into a full copy of the base model")
+    args = p.parse_args(argv)
+
+    def job() -> int:
+        from marft.trained.export import export
+
+        out = export(args.load_path, args.output_dir, merge=args.merge)
+        print(f"exported to {out} (team.json, README.md, one adapter folder per role)", flush=True)
+        return 0
+
+    return run(job)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,33 @@
+"""``marft play``: a trained team answers one problem, printed turn by turn (:func:`marft.trained.play.play`)."""
+
+from __future__ import annotations
+
+import sys
+
+from marft.cli.common import parser, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("marft play", "Watch a trained team answer one problem: every turn, labelled with its role.")
+    p.add_argument("problem", nargs="?", help="the problem (default: read from stdin)")
+    p.add_argument("--load_path", required=True, help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
+    p.add_argument("--base_model", action="store_true", help="the untrained team (fresh adapters) of the checkpoint's config")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    def job() -> int:
+        from marft.trained.evaluate import checkpoint_config
+        from marft.trained.play import play
+
+        problem = args.problem if args.problem is not None else sys.stdin.read()
+        config, _ = checkpoint_config(args.load_path)
+        print(f"Problem: {problem.strip()}", flush=True)
+        play(problem, None if args.base_model else args.load_path, config=config, seed=args.seed,
+             show=lambda role, text: print(f"{role}: {text}", flush=True))
+        return 0
+
+    return run(job)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

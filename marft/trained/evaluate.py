@@ -1,0 +1,172 @@
+"""Evaluate a trained team (or the base model, for the "before" figure) on an environment's held-out split.
+
+Each task of the split is played ``n`` times, sampling as in training; the summary gives, for every ``k`` asked,
+pass@k by the unbiased estimator of Chen et al. (2021) (``1 - C(n - c, k) / C(n, k)`` per task with ``c`` of its
+``n`` samples correct, averaged over tasks), the mean success of all samples, optionally the greedy success
+(``--greedy``: one more pass per task with top-k 1), and per role the reply lengths and the share of empty
+replies. Every episode goes to ``transcripts.jsonl``, the figures to ``summary.json``.
+
+``marft eval`` (:mod:`marft.cli.eval`) is this module from the command line; ``marft.evaluate(...)`` from Python.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from marft.config import TrainConfig
+from marft.training.diagnostics import TeamDiagnostics
+
+logger = logging.getLogger(__name__)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimate of pass@k from ``n`` samples of which ``c`` are correct (Chen et al. 2021):
+    ``1 - C(n - c, k) / C(n, k)``, computed as a product so large ``n`` does not overflow.
+
+    Raises:
+        ValueError: ``k`` is not in ``1..n`` or ``c`` not in ``0..n``.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"pass@{k} needs 1 <= k <= n samples per task (n = {n})")
+    if not 0 <= c <= n:
+        raise ValueError(f"{c} correct samples out of {n}")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
+    """The run config a checkpoint was trained with (fields it predates keep their defaults), and its
+    ``steps_<N>`` folder (a run directory means its latest checkpoint)."""
+    from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
+
+    path = find_checkpoint(load_path)
+    saved, _ = read_checkpoint_meta(path)
+    values = TrainConfig().to_dict()
+    for section, fields in values.items():
+        fields.update({k: v for k, v in saved.get(section, {}).items() if k in fields})
+    config = TrainConfig.from_dict(values)
+    config.runner.load_path = None
+    return config, path
+
+
+def load_team(config: TrainConfig, checkpoint: Path | None):
+    """The team ``config`` describes with the adapters of ``checkpoint`` (None: fresh adapters, i.e. the base model's
+    own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``."""
+    from marft.launch import build_team, validate
+    from marft.training.checkpoint import load_checkpoint
+
+    profile, _, make_eval_env = validate(config)
+    team, trainer = build_team(config, profile)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, team, trainer)
+    team.eval()
+    return team, profile, make_eval_env
+
+
+def evaluate(
+    load_path: str | Path | None = None, config: TrainConfig | None = None, n: int = 1, k: Sequence[int] = (1,),
+    episodes: int | None = None, greedy: bool = False, output_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
+) -> dict:
+    """Evaluate the checkpoint at ``load_path`` (or ``config``'s base model with fresh adapters) on ``config``'s
+    held-out split (default: the checkpoint's own config); returns the summary and writes it, with the
+    transcripts, to ``output_dir`` (default ``<run dir>/eval`` or ``results/eval/<time>``).
+
+    ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
+    ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
+
+    Raises:
+        ValueError: ``k`` larger than ``n``, an env without held-out tasks for pass@k, a bad config.
+        FileNotFoundError: no such checkpoint.
+    """
+    from marft.rollout.evaluation import evaluate_episodes
+
+    if any(not 1 <= kk <= n for kk in k):
+        raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
+    checkpoint = None
+    if load_path is not None:
+        saved, checkpoint = checkpoint_config(load_path)
+        config = config or saved
+    if config is None:
+        raise ValueError("nothing to evaluate: pass --load_path (a checkpoint) or a model config")
+    team, profile, make_eval_env = load_team(config, checkpoint)
+    tasks = make_eval_env().unwrapped.num_tasks
+    if episodes is None and not tasks:
+        raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
+    total = episodes if episodes is not None else n * tasks
+    start = time.perf_counter()
+    result, transcripts = _play(team, make_eval_env, total, seed, config, profile, progress, evaluate_episodes)
+    summary = _summary(config, checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed, [s.role for s in profile])
+    if greedy:
+        summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
+    summary["seconds"] = round(time.perf_counter() - start, 1)
+    out = Path(output_dir) if output_dir else (checkpoint.parent.parent / "eval" if checkpoint else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S"))
+    _write(out, summary, transcripts)
+    summary["output_dir"] = str(out)
+    return summary
+
+
+def _play(team, make_env, total: int, seed: int, config: TrainConfig, profile, progress: bool, evaluate_episodes):
+    """``total`` episodes as training evaluates them (the same RNG stream: ``seed + 1_000_000``)."""
+    torch.manual_seed(seed + 1_000_000)
+    with torch.no_grad(), team.headers.frozen():
+        return evaluate_episodes(team, make_env, total, seed, config.runner.n_eval_threads, TeamDiagnostics([s.role for s in profile]),
+                                 progress=progress)
+
+
+def _greedy_accuracy(team, make_env, tasks: int, seed: int, config: TrainConfig, profile, evaluate_episodes) -> float:
+    """Success of one greedy pass per task (top-k 1: the most likely token every step)."""
+    top_k = team.sampling.top_k
+    team.set_top_k(1)
+    try:
+        result, _ = _play(team, make_env, tasks, seed, config, profile, False, evaluate_episodes)
+    finally:
+        team.set_top_k(top_k)
+    return result["accuracy"]
+
+
+def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: dict, tasks: int | None, n: int, k, seed: int, roles) -> dict:
+    """The figures of one evaluation: pass@k over tasks (when every task got ``n`` samples), mean success, per-role stats."""
+    summary = {
+        "checkpoint": None if checkpoint is None else str(checkpoint), "model": config.model.model_name_or_path,
+        "env": config.env.env_name, "dataset": config.env.eval_dataset_path or config.env.dataset_path,
+        "episodes": result["episodes"], "accuracy": result["accuracy"], "return": result["return"], "seed": seed,
+    }
+    if tasks:
+        correct = np.zeros(tasks, dtype=int)
+        for episode in transcripts:
+            correct[episode["episode"] % tasks] += int(episode["correct"])
+        summary.update(tasks=tasks, n=n, **{f"pass@{kk}": float(np.mean([pass_at_k(n, int(c), kk) for c in correct])) for kk in k})
+    summary["roles"] = role_stats(transcripts, roles)
+    return summary
+
+
+def role_stats(transcripts: list[dict], roles: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Per role: its turns, their mean length in words and characters, and the share of empty replies."""
+    stats = {}
+    for role in roles:
+        texts = [turn["text"] for episode in transcripts for step in episode["steps"] for turn in step if turn["role"] == role]
+        stats[role] = {
+            "turns": len(texts),
+            "mean_words": float(np.mean([len(t.split()) for t in texts])) if texts else math.nan,
+            "mean_chars": float(np.mean([len(t) for t in texts])) if texts else math.nan,
+            "empty_share": float(np.mean([not t.strip() for t in texts])) if texts else math.nan,
+        }
+    return stats
+
+
+def _write(out: Path, summary: dict, transcripts: list[dict]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "transcripts.jsonl").open("w", encoding="utf-8") as file:
+        for episode in transcripts:
+            file.write(json.dumps(episode) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    logger.info("evaluation written to %s", out)

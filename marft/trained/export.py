@@ -1,0 +1,100 @@
+"""Export a trained team to a self-contained folder other tools load.
+
+The folder holds, per policy adapter (one per role, or one shared), a PEFT adapter folder that
+``PeftModel.from_pretrained(base_model, folder)`` loads and vLLM serves as a LoRA; optionally (``merge``) each
+role's adapter merged into a full copy of the base model (safetensors, ``<adapter>-merged/``); ``team.json``
+(the base model, each role with its adapter folder and prompt, the workflow, the chat-template mode and the
+sampling settings); and a ``README.md`` model card with the run's figures. ``marft export``
+(:mod:`marft.cli.export`) is this module from the command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+TEAM_FILE = "team.json"
+
+
+def export(load_path: str | Path, output_dir: str | Path, merge: bool = False) -> Path:
+    """Write the team of the checkpoint at ``load_path`` to ``output_dir`` (created; it must be empty or new).
+
+    Raises:
+        FileExistsError: ``output_dir`` exists and is not empty. FileNotFoundError / CheckpointError: a bad checkpoint.
+    """
+    from marft.trained.evaluate import checkpoint_config, load_team
+    from marft.models.loading import resolve_model_path
+    from marft.training.checkpoint import read_checkpoint_meta
+
+    out = Path(output_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
+    config, checkpoint = checkpoint_config(load_path)
+    team, profile, _ = load_team(config, checkpoint)
+    base = resolve_model_path(config.model.model_name_or_path)
+    out.mkdir(parents=True, exist_ok=True)
+    for adapter in team.policy_adapters:
+        team.model.save_pretrained(out, selected_adapters=[adapter])  # writes out/<adapter>/
+        _point_to_base(out / adapter, base)
+        if merge:
+            merge_adapter(base, out / adapter, out / f"{adapter}-merged", team.tokenizer)
+    _, state = read_checkpoint_meta(checkpoint)
+    team_file = {
+        "base_model": config.model.model_name_or_path, "base_model_path": base,
+        "roles": [{**dataclasses.asdict(spec), "adapter": team.agent_adapters[i],
+                   **({"merged_model": f"{team.agent_adapters[i]}-merged"} if merge else {})} for i, spec in enumerate(profile)],
+        "workflow": config.env.workflow, "max_turns": config.env.max_turns, "chat_template": config.model.chat_template,
+        "sampling": {"temperature": config.model.temperature, "top_k": config.model.top_k,
+                     "max_new_tokens": config.model.max_new_tokens, "context_window": config.model.context_window},
+        "trained": {"checkpoint": str(checkpoint), "iteration": state.get("iteration"), "env_steps": state.get("env_steps"),
+                    "env": config.env.env_name, "algorithm": config.algo.algorithm_name},
+    }
+    (out / TEAM_FILE).write_text(json.dumps(team_file, indent=2))
+    (out / "README.md").write_text(model_card(team_file, checkpoint))
+    return out
+
+
+def _point_to_base(folder: Path, base: str) -> None:
+    """The adapter's ``adapter_config.json`` names the base model's folder (so peft and vLLM find it)."""
+    path = folder / "adapter_config.json"
+    adapter_config = json.loads(path.read_text())
+    adapter_config["base_model_name_or_path"] = base
+    path.write_text(json.dumps(adapter_config, indent=2))
+
+
+def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer) -> Path:
+    """A full model: ``base`` with the adapter in ``adapter_folder`` merged in, saved to ``out`` (safetensors)
+    with its tokenizer. Loads a fresh copy of the base, so the team's own weights are untouched."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    merged = PeftModel.from_pretrained(model, str(adapter_folder)).merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    shutil.copy(adapter_folder / "adapter_config.json", out / "merged_from_adapter_config.json")
+    return out
+
+
+def model_card(team_file: dict, checkpoint: Path) -> str:
+    """The exported team's README: what it is, how to load each role, and the run's figures."""
+    trained = team_file["trained"]
+    summary_path = checkpoint.parent.parent / "summary.json"
+    figures = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    lines = [
+        f"# A marft team: {', '.join(r['role'] for r in team_file['roles'])}", "",
+        f"Trained with marft ({trained['algorithm']}) on `{trained['env']}` from `{team_file['base_model']}`, "
+        f"checkpoint `{trained['checkpoint']}` ({trained['iteration']} iterations, {trained['env_steps']} env steps).", "",
+    ]
+    if "accuracy_before" in figures:
+        lines += [f"Held-out success of the run: {figures['accuracy_before']:.3f} before training, {figures['accuracy_after']:.3f} after.", ""]
+    lines += ["| role | adapter folder |", "|---|---|"] + [f"| {r['role']} | `{r['adapter']}/` |" for r in team_file["roles"]]
+    lines += ["", "Load a role with transformers + peft:", "", "```python",
+              "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
+              f"base = AutoModelForCausalLM.from_pretrained({team_file['base_model_path']!r})",
+              f"agent = PeftModel.from_pretrained(base, {team_file['roles'][0]['adapter']!r})", "```", "",
+              "`team.json` holds each role's prompt, the workflow and the sampling settings; "
+              "`marft play --load_path <this checkpoint> \"<problem>\"` plays the team.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""Watch a trained team (or the base model) answer one problem: the conversation turn by turn, each turn with
+its role. ``marft play`` (:mod:`marft.cli.play`) is this module from the command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from marft.config import TrainConfig
+
+
+def play(problem: str, load_path: str | Path | None = None, config: TrainConfig | None = None, seed: int = 0,
+         show: Callable[[str, str], None] | None = None) -> list[list[tuple[str, str]]]:
+    """The team of the checkpoint at ``load_path`` (or ``config``'s base model with fresh adapters) plays
+    ``problem``: its workflow, its prompts, sampling as in training (``seed``). Each turn is passed to
+    ``show(role, text)`` as it is spoken (the host's handover lines of an orchestrated team included); returns
+    the turns of every team step (``--horizon`` steps; the problem is not graded, so nothing ends it early).
+
+    Raises:
+        ValueError: an empty problem, or neither a checkpoint nor a config.
+    """
+    from marft.envs.one_problem import OneProblemEnv
+    from marft.envs.workflows import workflow_for
+    from marft.trained.evaluate import checkpoint_config, load_team
+    from marft.rollout.turns import play_team_step
+
+    checkpoint = None
+    if load_path is not None:
+        saved, checkpoint = checkpoint_config(load_path)
+        config = config or saved
+    if config is None:
+        raise ValueError("nothing to play: pass --load_path (a checkpoint) or a model config")
+    if not problem.strip():
+        raise ValueError("the problem is empty: give the team a question")
+    team, profile, _ = load_team(config, checkpoint)
+    env = OneProblemEnv(problem, profile, horizon=config.env.horizon)
+    env.set_workflow(workflow_for(profile, config.env.workflow, config.env.max_turns))
+    torch.manual_seed(seed)
+    obs, info = env.reset(seed=seed)
+    private, steps, done = info["private_observations"], [], False
+    with torch.no_grad(), team.headers.frozen():
+        while not done:
+            play_team_step(team, [env], [obs], [private])
+            turns = env.spoken_turns()
+            for role, text in turns:
+                if show is not None:
+                    show(role, text)
+            steps.append(turns)
+            obs, _, terminated, truncated, info = env.step(env.turn_actions())
+            private, done = info["private_observations"], terminated or truncated
+    return steps
