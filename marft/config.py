@@ -310,10 +310,15 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=2)
 
     def to_yaml(self) -> str:
-        """The resolved config as a YAML run config (``--config`` reads it back)."""
+        """The resolved config as a YAML run config that ``--config`` reads back to start a run like this one:
+        without ``load_path`` and ``output_dir`` (where this run started from and wrote to: ``config.json`` has them)."""
         import yaml
 
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        values = self.to_dict()
+        for name in ("load_path", "output_dir"):
+            values["runner"].pop(name)
+        header = "# the run's resolved config (marft train --config this.yaml); load_path and output_dir are in config.json\n"
+        return header + yaml.safe_dump(values, sort_keys=False)
 
 
 SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner": RunnerConfig}
@@ -434,18 +439,47 @@ def parse_sections(argv: list[str], sections: dict, description: str) -> tuple[d
 
 
 def _split_config_flag(argv: list[str]) -> tuple[list[str], str | None]:
-    """``argv`` without ``--config FILE`` / ``--config=FILE``, and that file (None: not given)."""
-    rest, path, i = [], None, 0
+    """``argv`` without ``--config FILE`` / ``--config=FILE``, and that file (None: not given).
+
+    Raises:
+        SystemExit: ``--config`` given twice (one ``error:`` line)."""
+    rest, paths, i = [], [], 0
     while i < len(argv):
         if argv[i] == "--config" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 2
+            paths.append(argv[i + 1])
+            i += 2
             continue
         if argv[i].startswith("--config="):
-            path = argv[i].split("=", 1)[1]
+            paths.append(argv[i].split("=", 1)[1])
         else:
             rest.append(argv[i])
         i += 1
-    return rest, path
+    if len(paths) > 1:
+        OneLineErrorParser().error(f"--config given {len(paths)} times ({', '.join(paths)}): give one run config")
+    return rest, (paths[0] if paths else None)
+
+
+def _yaml_loader():
+    """PyYAML's safe loader reading every plain scalar but ``null``/``~`` as text, and refusing a key given twice in
+    one mapping: the values then go through the flags' own converters, so ``seed: 010`` is 10 as ``--seed 010`` is,
+    not YAML 1.1's octal 8 (nor ``1:30`` base 60, nor ``0x10``)."""
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"{key!r} is set twice", key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    StrictLoader.yaml_implicit_resolvers = {
+        first: [(tag, regexp) for tag, regexp in resolvers if tag == "tag:yaml.org,2002:null"]
+        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    return StrictLoader
 
 
 def read_yaml_config(path: str, sections: dict | None = None) -> dict[str, dict[str, Any]]:
@@ -464,9 +498,13 @@ def read_yaml_config(path: str, sections: dict | None = None) -> dict[str, dict[
     sections = sections or SECTIONS
     try:
         with open(path, encoding="utf-8") as file:
-            data = yaml.safe_load(file)
+            data = yaml.load(file, Loader=_yaml_loader())
     except yaml.YAMLError as error:
-        raise ValueError(f"{path}: not valid YAML ({str(error).splitlines()[0]})") from None
+        raise ValueError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply to be a run config") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -475,8 +513,10 @@ def read_yaml_config(path: str, sections: dict | None = None) -> dict[str, dict[
     hints = {section: get_type_hints(cls) for section, cls in sections.items()}
     flat: dict[str, Any] = {}
     for key, value in data.items():
-        if key in sections and isinstance(value, dict):
-            pairs = [(name, item, key) for name, item in value.items()]
+        if key in sections and key not in owner:
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{path}: section {key!r} must hold its fields (name: value), got {value!r}")
+            pairs = [(name, item, key) for name, item in (value or {}).items()]
         else:
             pairs = [(key, value, None)]
         for name, item, section in pairs:
@@ -495,12 +535,12 @@ def read_yaml_config(path: str, sections: dict | None = None) -> dict[str, dict[
 
 
 def _yaml_value(path: str, name: str, hint: Any, value: Any) -> Any:
-    """``value`` from YAML for a field of type ``hint``: a string converted as its flag would be, other values
-    checked (an int is a float; a bool is not an int)."""
+    """``value`` from YAML for a field of type ``hint``: text converted as its flag would be (every plain scalar is
+    text, :func:`_yaml_loader`), ``null`` for an optional field, anything else (a list, a mapping) refused."""
     if isinstance(value, str):
         try:
             return _flag_type(hint)(value)
-        except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+        except (TypeError, ValueError, OverflowError, argparse.ArgumentTypeError) as error:
             raise ValueError(f"{path}: {name}: {error}") from None
     args = getattr(hint, "__args__", None)
     if value is None and args and type(None) in args:

@@ -62,10 +62,17 @@ def test_the_run_directory_config_yaml_reads_back_as_the_same_config(tmp_path):
     ("lrr: 0.001\n", "did you mean 'lr'"),
     ("algo:\n  n_rollout_threads: 8\n", "unknown key 'n_rollout_threads' in section 'algo'"),
     ("lr: fast\n", "lr"),
-    ("n_rollout_threads: 2.5\n", "n_rollout_threads must be int"),
+    ("n_rollout_threads: 2.5\n", "n_rollout_threads: invalid literal for int()"),
     ("- lr\n", "a mapping"),
+    ("lr: [0.1]\n", "lr must be float"),
     ("lr: [\n", "not valid YAML"),
     ("lr: 0.1\nalgo:\n  lr: 0.2\n", "set twice"),
+    ("lr: 0.1\nlr: 0.2\n", "set twice"),  # YAML itself would keep the last silently
+    ("algo: {lr: 0.1}\nmodel: {lora_r: 4}\nalgo: {ppo_epoch: 3}\n", "set twice"),
+    ("seed: 1:30\n", "seed"),  # YAML 1.1 would read base 60 (90)
+    ("seed: 0x10\n", "seed"),
+    ("model: foo\n", "section 'model'"),
+    ("lr: " + "[" * 5000 + "\n", "nested too deeply"),
 ])
 def test_a_bad_yaml_config_fails_in_one_line_before_anything_loads(tmp_path, monkeypatch, capsys, text, message):
     import marft.launch
@@ -76,6 +83,20 @@ def test_a_bad_yaml_config_fails_in_one_line_before_anything_loads(tmp_path, mon
         train_main(["--config", str(tmp_path / "run.yaml")])
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_yaml_numbers_and_booleans_read_as_the_flags_read_them(tmp_path):
+    (tmp_path / "run.yaml").write_text("seed: 010\nshared_lora: 1\ntarget_kl: null\nlr: 5\n")
+    from_yaml, _ = parse_config(["--config", str(tmp_path / "run.yaml")])
+    from_flags, _ = parse_config(["--seed", "010", "--shared_lora", "1", "--target_kl", "none", "--lr", "5"])
+    assert from_yaml.to_dict() == from_flags.to_dict() and from_yaml.runner.seed == 10  # not YAML 1.1's octal 8
+
+
+def test_config_given_twice_is_refused(tmp_path, capsys):
+    (tmp_path / "a.yaml").write_text("seed: 1\n")
+    with pytest.raises(SystemExit):
+        parse_config(["--config", str(tmp_path / "a.yaml"), "--config", str(tmp_path / "a.yaml")])
+    assert "--config given 2 times" in capsys.readouterr().err
 
 
 def test_a_missing_yaml_config_is_one_line(tmp_path, capsys):
@@ -148,15 +169,15 @@ def test_eval_replays_the_evaluation_training_printed(trained_run, capsys):
 
 
 def test_eval_reports_pass_at_k_per_task(trained_run):
-    assert marft(["eval", "--load_path", str(trained_run), "--n", "2", "--k", "1,2", "--output_dir", str(trained_run / "e2")]) == 0
-    summary = json.loads((trained_run / "e2" / "summary.json").read_text())
+    assert marft(["eval", "--load_path", str(trained_run), "--n", "2", "--k", "1,2"]) == 0
+    summary = json.loads((trained_run / "eval" / "steps_2" / "summary.json").read_text())  # the default: per checkpoint
     assert summary["n"] == 2 and summary["episodes"] == 2 * summary["tasks"]
     assert 0.0 <= summary["pass@1"] <= summary["pass@2"] <= 1.0
 
 
 def test_eval_of_the_base_model_uses_fresh_adapters(trained_run):
-    assert marft(["eval", "--load_path", str(trained_run), "--base_model", "--episodes", "3", "--output_dir", str(trained_run / "e3")]) == 0
-    assert json.loads((trained_run / "e3" / "summary.json").read_text())["checkpoint"] is None
+    assert marft(["eval", "--load_path", str(trained_run), "--base_model", "--episodes", "3"]) == 0
+    assert json.loads((trained_run / "eval" / "steps_2-base_model" / "summary.json").read_text())["checkpoint"] is None
 
 
 def test_exported_adapters_load_in_plain_peft_with_the_teams_logits(trained_run, tmp_path):

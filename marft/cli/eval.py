@@ -20,8 +20,9 @@ def build_parser():
                    "with the run's --eval_episodes it replays the evaluation training printed")
     p.add_argument("--greedy", action="store_true", help="also report the success of one greedy pass per task (top-k 1)")
     p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval)")
+    p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model])")
     return p
 
 
@@ -35,17 +36,21 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
 
     if args.load_path is None:
         raise ValueError("--load_path is required (a checkpoint or a run directory); with --base_model its config is used without its adapters")
-    if args.n < 1 or (args.episodes is not None and args.episodes < 1):
-        raise ValueError("--n and --episodes must be at least 1")
+    if args.n < 1 or (args.episodes is not None and args.episodes < 1) or (args.n_eval_threads is not None and args.n_eval_threads < 1):
+        raise ValueError("--n, --episodes and --n_eval_threads must be at least 1")
+    if args.episodes is not None and args.n != 1:
+        raise ValueError("--episodes plays that many episodes in all; --n (samples per task, for pass@k) goes without it")
     config, _ = checkpoint_config(args.load_path)
+    if args.device:
+        config.model.device = args.device
     if args.env_name:
         config.env.env_name = args.env_name
     if args.dataset_path:
         config.env.eval_dataset_path = args.dataset_path
-    if args.n_eval_threads:
+    if args.n_eval_threads is not None:
         config.runner.n_eval_threads = args.n_eval_threads
-    summary = evaluate(None if args.base_model else args.load_path, config=config, n=args.n, k=args.k, episodes=args.episodes,
-                       greedy=args.greedy, output_dir=args.output_dir, seed=args.seed)
+    summary = evaluate(args.load_path, config=config, n=args.n, k=args.k, episodes=args.episodes, greedy=args.greedy,
+                       output_dir=args.output_dir, seed=args.seed, base_model=args.base_model)
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 

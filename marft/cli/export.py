@@ -10,12 +10,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load_path", required=True, help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
     p.add_argument("--output_dir", required=True, help="a new (or empty) folder")
     p.add_argument("--merge", action="store_true", help="also save each role's adapter merged into a full copy of the base model")
+    p.add_argument("--device", help="where to load the team to export it (default: the run's device)")
     args = p.parse_args(argv)
 
     def job() -> int:
         from marft.trained.export import export
 
-        out = export(args.load_path, args.output_dir, merge=args.merge)
+        out = export(args.load_path, args.output_dir, merge=args.merge, device=args.device)
         print(f"exported to {out} (team.json, README.md, one adapter folder per role)", flush=True)
         return 0
 

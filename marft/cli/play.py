@@ -12,6 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("problem", nargs="?", help="the problem (default: read from stdin)")
     p.add_argument("--load_path", required=True, help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
     p.add_argument("--base_model", action="store_true", help="the untrained team (fresh adapters) of the checkpoint's config")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -21,8 +22,10 @@ def main(argv: list[str] | None = None) -> int:
 
         problem = args.problem if args.problem is not None else sys.stdin.read()
         config, _ = checkpoint_config(args.load_path)
+        if args.device:
+            config.model.device = args.device
         print(f"Problem: {problem.strip()}", flush=True)
-        play(problem, None if args.base_model else args.load_path, config=config, seed=args.seed,
+        play(problem, args.load_path, config=config, seed=args.seed, base_model=args.base_model,
              show=lambda role, text: print(f"{role}: {text}", flush=True))
         return 0
 

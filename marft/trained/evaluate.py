@@ -46,13 +46,14 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
     """The run config a checkpoint was trained with (fields it predates keep their defaults), and its
     ``steps_<N>`` folder (a run directory means its latest checkpoint)."""
-    from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
+    from marft.training.checkpoint import BEFORE_THE_FLAG, find_checkpoint, read_checkpoint_meta
 
     path = find_checkpoint(load_path)
     saved, _ = read_checkpoint_meta(path)
     values = TrainConfig().to_dict()
     for section, fields in values.items():
-        fields.update({k: v for k, v in saved.get(section, {}).items() if k in fields})
+        old = {**BEFORE_THE_FLAG.get(section, {}), **saved.get(section, {})}  # what a flag meant before it existed
+        fields.update({k: v for k, v in old.items() if k in fields})
     config = TrainConfig.from_dict(values)
     config.runner.load_path = None
     return config, path
@@ -60,11 +61,20 @@ def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
 
 def load_team(config: TrainConfig, checkpoint: Path | None):
     """The team ``config`` describes with the adapters of ``checkpoint`` (None: fresh adapters, i.e. the base model's
-    own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``."""
-    from marft.launch import build_team, validate
+    own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``. Only what a trained team needs
+    is checked (the profile, the model, the device, the held-out env), not the training data or run folder."""
+    from marft.launch import build_env_factories, build_team, probe_env
+    from marft.envs.profile import load_profile
+    from marft.models.loading import check_model_path
     from marft.training.checkpoint import load_checkpoint
+    from marft.validation import check_device
 
-    profile, _, make_eval_env = validate(config)
+    config.check()
+    check_device(config.model.device)
+    profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
+    check_model_path(config.model.model_name_or_path)
+    _, make_eval_env = build_env_factories(config, profile)
+    probe_env(make_eval_env, profile, f"--env_name {config.env.env_name} (held-out)")
     team, trainer = build_team(config, profile)
     if checkpoint is not None:
         load_checkpoint(checkpoint, team, trainer)
@@ -75,10 +85,12 @@ def load_team(config: TrainConfig, checkpoint: Path | None):
 def evaluate(
     load_path: str | Path | None = None, config: TrainConfig | None = None, n: int = 1, k: Sequence[int] = (1,),
     episodes: int | None = None, greedy: bool = False, output_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
+    base_model: bool = False,
 ) -> dict:
-    """Evaluate the checkpoint at ``load_path`` (or ``config``'s base model with fresh adapters) on ``config``'s
-    held-out split (default: the checkpoint's own config); returns the summary and writes it, with the
-    transcripts, to ``output_dir`` (default ``<run dir>/eval`` or ``results/eval/<time>``).
+    """Evaluate the checkpoint at ``load_path`` (``base_model``: its team with fresh adapters, the "before" figure;
+    no checkpoint: ``config``'s base model) on ``config``'s held-out split (default: the checkpoint's own config);
+    returns the summary and writes it, with the transcripts, to ``output_dir`` (default
+    ``<run dir>/eval/steps_<N>[-base_model]``, or ``results/eval/<time>`` without a checkpoint).
 
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
     ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
@@ -89,7 +101,7 @@ def evaluate(
     """
     from marft.rollout.evaluation import evaluate_episodes
 
-    if any(not 1 <= kk <= n for kk in k):
+    if episodes is None and any(not 1 <= kk <= n for kk in k):
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
     checkpoint = None
     if load_path is not None:
@@ -97,18 +109,21 @@ def evaluate(
         config = config or saved
     if config is None:
         raise ValueError("nothing to evaluate: pass --load_path (a checkpoint) or a model config")
-    team, profile, make_eval_env = load_team(config, checkpoint)
+    team, profile, make_eval_env = load_team(config, None if base_model else checkpoint)
     tasks = make_eval_env().unwrapped.num_tasks
     if episodes is None and not tasks:
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
     total = episodes if episodes is not None else n * tasks
     start = time.perf_counter()
     result, transcripts = _play(team, make_eval_env, total, seed, config, profile, progress, evaluate_episodes)
-    summary = _summary(config, checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed, [s.role for s in profile])
+    summary = _summary(config, None if base_model else checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed,
+                       [s.role for s in profile])
     if greedy:
         summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
     summary["seconds"] = round(time.perf_counter() - start, 1)
-    out = Path(output_dir) if output_dir else (checkpoint.parent.parent / "eval" if checkpoint else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S"))
+    if output_dir is None and checkpoint is not None:
+        output_dir = checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
+    out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts)
     summary["output_dir"] = str(out)
     return summary

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 
 TEAM_FILE = "team.json"
 
 
-def export(load_path: str | Path, output_dir: str | Path, merge: bool = False) -> Path:
-    """Write the team of the checkpoint at ``load_path`` to ``output_dir`` (created; it must be empty or new).
+def export(load_path: str | Path, output_dir: str | Path, merge: bool = False, device: str | None = None) -> Path:
+    """Write the team of the checkpoint at ``load_path`` to ``output_dir`` (created; it must be empty or new), loading
+    it on ``device`` (default: the run's).
 
     Raises:
         FileExistsError: ``output_dir`` exists and is not empty. FileNotFoundError / CheckpointError: a bad checkpoint.
@@ -32,14 +34,17 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False) -
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
     config, checkpoint = checkpoint_config(load_path)
+    if device:
+        config.model.device = device
     team, profile, _ = load_team(config, checkpoint)
     base = resolve_model_path(config.model.model_name_or_path)
+    base = os.path.abspath(base) if os.path.isdir(base) else base  # the adapters name it from any folder
     out.mkdir(parents=True, exist_ok=True)
     for adapter in team.policy_adapters:
-        team.model.save_pretrained(out, selected_adapters=[adapter])  # writes out/<adapter>/
+        save_adapter(team, adapter, out / adapter)
         _point_to_base(out / adapter, base)
         if merge:
-            merge_adapter(base, out / adapter, out / f"{adapter}-merged", team.tokenizer)
+            merge_adapter(base, out / adapter, out / f"{adapter}-merged", team.tokenizer, config)
     _, state = read_checkpoint_meta(checkpoint)
     team_file = {
         "base_model": config.model.model_name_or_path, "base_model_path": base,
@@ -56,6 +61,18 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False) -
     return out
 
 
+def save_adapter(team, adapter: str, folder: Path) -> Path:
+    """``adapter``'s PEFT folder (``adapter_config.json``, ``adapter_model.safetensors``) written to ``folder``
+    (peft puts an adapter named ``default`` at the top of the folder it is given, any other in a subfolder)."""
+    staging = folder.parent / f".{folder.name}.staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    team.model.save_pretrained(staging, selected_adapters=[adapter])
+    saved = staging if (staging / "adapter_config.json").is_file() else staging / adapter
+    os.replace(saved, folder)
+    shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
 def _point_to_base(folder: Path, base: str) -> None:
     """The adapter's ``adapter_config.json`` names the base model's folder (so peft and vLLM find it)."""
     path = folder / "adapter_config.json"
@@ -64,13 +81,16 @@ def _point_to_base(folder: Path, base: str) -> None:
     path.write_text(json.dumps(adapter_config, indent=2))
 
 
-def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer) -> Path:
+def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer, config) -> Path:
     """A full model: ``base`` with the adapter in ``adapter_folder`` merged in, saved to ``out`` (safetensors)
-    with its tokenizer. Loads a fresh copy of the base, so the team's own weights are untouched."""
+    with its tokenizer. Loads a fresh copy of the base in the run's dtype (``--dtype``; a float32 LoRA update
+    merged into half-precision weights would be rounded away), so the team's own weights are untouched."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base)
+    from marft.agents.dtypes import TORCH_DTYPES
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=TORCH_DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
     merged = PeftModel.from_pretrained(model, str(adapter_folder)).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
@@ -83,6 +103,8 @@ def model_card(team_file: dict, checkpoint: Path) -> str:
     trained = team_file["trained"]
     summary_path = checkpoint.parent.parent / "summary.json"
     figures = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    if figures.get("checkpoint") is None or Path(figures["checkpoint"]).resolve() != checkpoint.resolve():
+        figures = {}  # the run's figures are those of its last checkpoint, not of this one
     lines = [
         f"# A marft team: {', '.join(r['role'] for r in team_file['roles'])}", "",
         f"Trained with marft ({trained['algorithm']}) on `{trained['env']}` from `{team_file['base_model']}`, "

@@ -12,8 +12,9 @@ from marft.config import TrainConfig
 
 
 def play(problem: str, load_path: str | Path | None = None, config: TrainConfig | None = None, seed: int = 0,
-         show: Callable[[str, str], None] | None = None) -> list[list[tuple[str, str]]]:
-    """The team of the checkpoint at ``load_path`` (or ``config``'s base model with fresh adapters) plays
+         show: Callable[[str, str], None] | None = None, base_model: bool = False) -> list[list[tuple[str, str]]]:
+    """The team of the checkpoint at ``load_path`` (``base_model``: with fresh adapters; no checkpoint: ``config``'s
+    base model) plays
     ``problem``: its workflow, its prompts, sampling as in training (``seed``). Each turn is passed to
     ``show(role, text)`` as it is spoken (the host's handover lines of an orchestrated team included); returns
     the turns of every team step (``--horizon`` steps; the problem is not graded, so nothing ends it early).
@@ -34,7 +35,7 @@ def play(problem: str, load_path: str | Path | None = None, config: TrainConfig 
         raise ValueError("nothing to play: pass --load_path (a checkpoint) or a model config")
     if not problem.strip():
         raise ValueError("the problem is empty: give the team a question")
-    team, profile, _ = load_team(config, checkpoint)
+    team, profile, _ = load_team(config, None if base_model else checkpoint)
     env = OneProblemEnv(problem, profile, horizon=config.env.horizon)
     env.set_workflow(workflow_for(profile, config.env.workflow, config.env.max_turns))
     torch.manual_seed(seed)
