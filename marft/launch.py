@@ -42,11 +42,12 @@ def default_run_dir(config: TrainConfig) -> Path:
     return Path("results") / config.runner.experiment_name / time.strftime("%Y%m%d-%H%M%S")
 
 
-def build_env_factories(config: TrainConfig, profile):
+def build_env_factories(config: TrainConfig, profile, eval_split: str = "test"):
     """``(make_train_env, make_eval_env)``: every environment, the shipped ones included, is built as
     ``EnvClass(split="train"|"test", profile=<list of AgentSpec>, horizon=--horizon)``, plus ``dataset_path=`` when
     ``--dataset_path`` (or, for evaluation, ``--eval_dataset_path``) is given; ``--env_name`` may be a registered
-    name, ``"package.module:Class"`` or an installed entry point (:func:`marft.envs.resolve`)."""
+    name, ``"package.module:Class"`` or an installed entry point (:func:`marft.envs.resolve`). ``eval_split`` names the
+    held-out split (e.g. ``test500``: a dataset folder's ``test500.jsonl``)."""
     from marft.envs import resolve
     from marft.envs.workflows import workflow_for
 
@@ -67,7 +68,7 @@ def build_env_factories(config: TrainConfig, profile):
     train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
     eval_source = ec.eval_dataset_path or ec.dataset_path
     eval_data = {} if eval_source is None else {"dataset_path": eval_source}
-    return playing(lambda: env_class(split="train", **train_data, **kwargs)), playing(lambda: env_class(split="test", **eval_data, **kwargs))
+    return playing(lambda: env_class(split="train", **train_data, **kwargs)), playing(lambda: env_class(split=eval_split, **eval_data, **kwargs))
 
 
 def validate(config: TrainConfig):

@@ -165,10 +165,18 @@ def test_timeout_from_a_thread(fake_grader):
     assert fake_grader.grade("\\boxed{1}", "1") is True
 
 
-def test_errors_and_worker_crash_are_counted(fake_grader):
-    verdicts = fake_grader.grade_many(["\\boxed{raise}", "\\boxed{die}", "\\boxed{5}"], ["5", "5", "5"])
-    assert verdicts == [False, False, True]
-    assert (fake_grader.stats.errors, fake_grader.stats.timeouts, fake_grader.stats.restarts) == (2, 0, 1)
+def test_errors_and_worker_crash_are_counted(tmp_path):
+    """No check here hangs, so the deadline is far (30 s): on a loaded machine a worker that takes seconds to start
+    must not turn an error into a timeout."""
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER.format(path=grader_module.__file__))
+    grader = MathGrader(timeout_s=30.0, worker_command=[sys.executable, str(script)], shortcut=False)
+    try:
+        verdicts = grader.grade_many(["\\boxed{raise}", "\\boxed{die}", "\\boxed{5}"], ["5", "5", "5"])
+        assert verdicts == [False, False, True]
+        assert (grader.stats.errors, grader.stats.timeouts, grader.stats.restarts) == (2, 0, 1)
+    finally:
+        grader.close()
 
 
 # ---------------------------------------------------------------- real data

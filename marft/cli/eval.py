@@ -13,7 +13,9 @@ def build_parser():
     p.add_argument("--load_path", help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
     p.add_argument("--base_model", action="store_true", help="evaluate the untrained team (fresh adapters) of the checkpoint's or the flags' config: the 'before' figure")
     p.add_argument("--env_name", help="evaluate on this environment instead of the checkpoint's")
-    p.add_argument("--dataset_path", help="the held-out data (e.g. a MATH500 JSONL); default: the run's test split")
+    p.add_argument("--dataset_path", help="the held-out data: a JSON/JSONL file or a folder of <split>.jsonl files (e.g. MATH), "
+                   "'humaneval' for code; default: the run's held-out data")
+    p.add_argument("--split", default="test", help="the split to evaluate: test, or a folder's <split>.jsonl (e.g. test500)")
     p.add_argument("--n", type=int, default=1, help="samples per task")
     p.add_argument("--k", type=int_list, default=[1], help="pass@k for these k (comma-separated, each at most --n)")
     p.add_argument("--episodes", type=int, help="play this many episodes (task = episode %% tasks) instead of --n per task; "
@@ -50,7 +52,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     if args.n_eval_threads is not None:
         config.runner.n_eval_threads = args.n_eval_threads
     summary = evaluate(args.load_path, config=config, n=args.n, k=args.k, episodes=args.episodes, greedy=args.greedy,
-                       output_dir=args.output_dir, seed=args.seed, base_model=args.base_model)
+                       output_dir=args.output_dir, seed=args.seed, base_model=args.base_model, split=args.split)
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 

@@ -59,9 +59,9 @@ def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
     return config, path
 
 
-def load_team(config: TrainConfig, checkpoint: Path | None):
+def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test"):
     """The team ``config`` describes with the adapters of ``checkpoint`` (None: fresh adapters, i.e. the base model's
-    own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``. Only what a trained team needs
+    own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``, the env on ``split``. Only what a trained team needs
     is checked (the profile, the model, the device, the held-out env), not the training data or run folder."""
     from marft.launch import build_env_factories, build_team, probe_env
     from marft.envs.profile import load_profile
@@ -73,8 +73,8 @@ def load_team(config: TrainConfig, checkpoint: Path | None):
     check_device(config.model.device)
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
-    _, make_eval_env = build_env_factories(config, profile)
-    probe_env(make_eval_env, profile, f"--env_name {config.env.env_name} (held-out)")
+    _, make_eval_env = build_env_factories(config, profile, eval_split=split)
+    probe_env(make_eval_env, profile, f"--env_name {config.env.env_name} (split {split})")
     team, trainer = build_team(config, profile)
     if checkpoint is not None:
         load_checkpoint(checkpoint, team, trainer)
@@ -85,12 +85,13 @@ def load_team(config: TrainConfig, checkpoint: Path | None):
 def evaluate(
     load_path: str | Path | None = None, config: TrainConfig | None = None, n: int = 1, k: Sequence[int] = (1,),
     episodes: int | None = None, greedy: bool = False, output_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
-    base_model: bool = False,
+    base_model: bool = False, split: str = "test",
 ) -> dict:
     """Evaluate the checkpoint at ``load_path`` (``base_model``: its team with fresh adapters, the "before" figure;
     no checkpoint: ``config``'s base model) on ``config``'s held-out split (default: the checkpoint's own config);
     returns the summary and writes it, with the transcripts, to ``output_dir`` (default
-    ``<run dir>/eval/steps_<N>[-base_model]``, or ``results/eval/<time>`` without a checkpoint).
+    ``<run dir>/eval/steps_<N>[-base_model]``, or ``results/eval/<time>`` without a checkpoint). ``split``: the env's
+    held-out split (a dataset folder's ``<split>.jsonl``, e.g. ``test500``).
 
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
     ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
@@ -109,7 +110,7 @@ def evaluate(
         config = config or saved
     if config is None:
         raise ValueError("nothing to evaluate: pass --load_path (a checkpoint) or a model config")
-    team, profile, make_eval_env = load_team(config, None if base_model else checkpoint)
+    team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
     tasks = make_eval_env().unwrapped.num_tasks
     if episodes is None and not tasks:
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
@@ -117,7 +118,7 @@ def evaluate(
     start = time.perf_counter()
     result, transcripts = _play(team, make_eval_env, total, seed, config, profile, progress, evaluate_episodes)
     summary = _summary(config, None if base_model else checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed,
-                       [s.role for s in profile])
+                       [s.role for s in profile], split)
     if greedy:
         summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
     summary["seconds"] = round(time.perf_counter() - start, 1)
@@ -148,11 +149,12 @@ def _greedy_accuracy(team, make_env, tasks: int, seed: int, config: TrainConfig,
     return result["accuracy"]
 
 
-def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: dict, tasks: int | None, n: int, k, seed: int, roles) -> dict:
+def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: dict, tasks: int | None, n: int, k, seed: int, roles,
+             split: str) -> dict:
     """The figures of one evaluation: pass@k over tasks (when every task got ``n`` samples), mean success, per-role stats."""
     summary = {
         "checkpoint": None if checkpoint is None else str(checkpoint), "model": config.model.model_name_or_path,
-        "env": config.env.env_name, "dataset": config.env.eval_dataset_path or config.env.dataset_path,
+        "env": config.env.env_name, "dataset": config.env.eval_dataset_path or config.env.dataset_path, "split": split,
         "episodes": result["episodes"], "accuracy": result["accuracy"], "return": result["return"], "seed": seed,
     }
     if tasks:
