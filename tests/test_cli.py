@@ -119,7 +119,7 @@ def test_help_and_unknown_commands_are_one_screen_without_traceback(capsys):
     assert all(name in out for name in ("train", "sft", "eval", "export", "play"))
     assert marft(["evaluate"]) == 2
     assert capsys.readouterr().err.strip().startswith("error: unknown command 'evaluate'")
-    for command in ("eval", "export", "play", "train"):
+    for command in ("eval", "export", "play", "train", "sft"):
         with pytest.raises(SystemExit) as stop:
             marft([command, "--help"])
         assert stop.value.code == 0
