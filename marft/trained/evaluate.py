@@ -59,6 +59,21 @@ def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
     return config, path
 
 
+def team_source(load_path: str | Path | None, config: TrainConfig | None) -> tuple[TrainConfig, Path | None]:
+    """``(config, checkpoint folder)``: ``config`` (default: the checkpoint's own) and the checkpoint at ``load_path``
+    (None without one).
+
+    Raises:
+        ValueError: neither a checkpoint nor a config."""
+    checkpoint = None
+    if load_path is not None:
+        saved, checkpoint = checkpoint_config(load_path)
+        config = config or saved
+    if config is None:
+        raise ValueError("no team given: pass --load_path (a checkpoint) or a model config")
+    return config, checkpoint
+
+
 def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test"):
     """The team ``config`` describes with the adapters of ``checkpoint`` (None: fresh adapters, i.e. the base model's
     own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``, the env on ``split``. Only what a trained team needs
@@ -104,12 +119,7 @@ def evaluate(
 
     if episodes is None and any(not 1 <= kk <= n for kk in k):
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
-    checkpoint = None
-    if load_path is not None:
-        saved, checkpoint = checkpoint_config(load_path)
-        config = config or saved
-    if config is None:
-        raise ValueError("nothing to evaluate: pass --load_path (a checkpoint) or a model config")
+    config, checkpoint = team_source(load_path, config)
     team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
     tasks = make_eval_env().unwrapped.num_tasks
     if episodes is None and not tasks:

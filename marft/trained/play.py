@@ -24,15 +24,10 @@ def play(problem: str, load_path: str | Path | None = None, config: TrainConfig 
     """
     from marft.envs.one_problem import OneProblemEnv
     from marft.envs.workflows import workflow_for
-    from marft.trained.evaluate import checkpoint_config, load_team
+    from marft.trained.evaluate import load_team, team_source
     from marft.rollout.turns import play_team_step
 
-    checkpoint = None
-    if load_path is not None:
-        saved, checkpoint = checkpoint_config(load_path)
-        config = config or saved
-    if config is None:
-        raise ValueError("nothing to play: pass --load_path (a checkpoint) or a model config")
+    config, checkpoint = team_source(load_path, config)
     if not problem.strip():
         raise ValueError("the problem is empty: give the team a question")
     team, profile, _ = load_team(config, None if base_model else checkpoint)
