@@ -126,9 +126,13 @@ def evaluate(
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
     total = episodes if episodes is not None else n * tasks
     start = time.perf_counter()
-    result, transcripts = _play(team, make_eval_env, total, seed, config, profile, progress, evaluate_episodes)
+    diagnostics = TeamDiagnostics([s.role for s in profile])
+    result, transcripts = _play(team, make_eval_env, total, seed, config, diagnostics, progress, evaluate_episodes)
     summary = _summary(config, None if base_model else checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed,
                        [s.role for s in profile], split)
+    calls = diagnostics.call_distribution()
+    if calls:  # an orchestrated team: whom the orchestrator called per step, and the share of invalid replies
+        summary["orchestrator_calls"] = calls
     if greedy:
         summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
     summary["seconds"] = round(time.perf_counter() - start, 1)
@@ -140,12 +144,11 @@ def evaluate(
     return summary
 
 
-def _play(team, make_env, total: int, seed: int, config: TrainConfig, profile, progress: bool, evaluate_episodes):
+def _play(team, make_env, total: int, seed: int, config: TrainConfig, diagnostics: TeamDiagnostics, progress: bool, evaluate_episodes):
     """``total`` episodes as training evaluates them (the same RNG stream: ``seed + 1_000_000``)."""
     torch.manual_seed(seed + 1_000_000)
     with torch.no_grad(), team.headers.frozen():
-        return evaluate_episodes(team, make_env, total, seed, config.runner.n_eval_threads, TeamDiagnostics([s.role for s in profile]),
-                                 progress=progress)
+        return evaluate_episodes(team, make_env, total, seed, config.runner.n_eval_threads, diagnostics, progress=progress)
 
 
 def _greedy_accuracy(team, make_env, tasks: int, seed: int, config: TrainConfig, profile, evaluate_episodes) -> float:
@@ -153,7 +156,7 @@ def _greedy_accuracy(team, make_env, tasks: int, seed: int, config: TrainConfig,
     top_k = team.sampling.top_k
     team.set_top_k(1)
     try:
-        result, _ = _play(team, make_env, tasks, seed, config, profile, False, evaluate_episodes)
+        result, _ = _play(team, make_env, tasks, seed, config, TeamDiagnostics([s.role for s in profile]), False, evaluate_episodes)
     finally:
         team.set_top_k(top_k)
     return result["accuracy"]
