@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="marft",
     version="0.1.0",
+    license="MIT",
     description="Multi-Agent Reinforcement Fine-Tuning: train LLM agent teams with multi-agent PPO",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
