@@ -521,7 +521,8 @@ def read_yaml_config(path: str, sections: dict | None = None) -> dict[str, dict[
             pairs = [(key, value, None)]
         for name, item, section in pairs:
             if name not in owner or (section is not None and owner[name] != section):
-                valid = [n for n, s in owner.items() if section is None or s == section] + ([] if section else list(sections))
+                valid = ((list(sections) if isinstance(item, dict) else []) if section is None else []) or \
+                    [n for n, s in owner.items() if section is None or s == section] + ([] if section else list(sections))
                 near = difflib.get_close_matches(str(name), valid, n=1)
                 where = f" in section {section!r}" if section else ""
                 raise ValueError(f"{path}: unknown key {name!r}{where}" + (f"; did you mean {near[0]!r}?" if near else ""))

@@ -83,6 +83,7 @@ def validate(config: TrainConfig):
     config.check()
     check_device(config.model.device)
     check_output_dir(config.runner.output_dir)
+    check_fresh_run_dir(config)
     check_processes(config)
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
@@ -97,6 +98,26 @@ def validate(config: TrainConfig):
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
+
+
+def check_fresh_run_dir(config: TrainConfig) -> None:
+    """A run that does not resume must not write into a folder holding another run's checkpoints (their
+    ``steps_<N>`` would mix with its own, and ``--load_path <run dir>`` would pick the newest of either).
+
+    Raises:
+        ValueError: ``--output_dir`` holds checkpoints and ``--load_path`` does not point into it."""
+    if not config.runner.output_dir:
+        return
+    checkpoints = Path(config.runner.output_dir) / "checkpoints"
+    if not (checkpoints.is_dir() and any(p.name.startswith("steps_") for p in checkpoints.iterdir())):
+        return
+    load = config.runner.load_path
+    if load and Path(checkpoints).resolve() in (Path(load).resolve(), *Path(load).resolve().parents):
+        return
+    if load and Path(load).resolve() == Path(config.runner.output_dir).resolve():
+        return
+    raise ValueError(f"--output_dir {config.runner.output_dir} already holds a run's checkpoints ({checkpoints}): continue it with "
+                     f"--load_path {config.runner.output_dir}, or give this run a new --output_dir")
 
 
 def probe_env(make_env, profile, label: str) -> None:

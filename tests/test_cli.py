@@ -137,6 +137,7 @@ def test_python_dash_m_marft_runs_the_command():
     (["play", "--load_path", "/nonexistent/run", "hi"], "does not exist"),
     (["eval", "--k", "1,x"], "comma-separated integers"),
     (["eval"], "--load_path is required"),
+    (["eval", "--load_path", "/x", "--episodes", "4", "--k", "2"], "go without it"),
 ])
 def test_bad_input_is_one_error_line(capsys, argv, message):
     try:
@@ -170,14 +171,14 @@ def test_eval_replays_the_evaluation_training_printed(trained_run, capsys):
 
 def test_eval_reports_pass_at_k_per_task(trained_run):
     assert marft(["eval", "--load_path", str(trained_run), "--n", "2", "--k", "1,2"]) == 0
-    summary = json.loads((trained_run / "eval" / "steps_2" / "summary.json").read_text())  # the default: per checkpoint
+    summary = json.loads((trained_run / "eval" / "steps_2" / "test-n2" / "summary.json").read_text())  # per checkpoint, split, n
     assert summary["n"] == 2 and summary["episodes"] == 2 * summary["tasks"]
     assert 0.0 <= summary["pass@1"] <= summary["pass@2"] <= 1.0
 
 
 def test_eval_of_the_base_model_uses_fresh_adapters(trained_run):
     assert marft(["eval", "--load_path", str(trained_run), "--base_model", "--episodes", "3"]) == 0
-    assert json.loads((trained_run / "eval" / "steps_2-base_model" / "summary.json").read_text())["checkpoint"] is None
+    assert json.loads((trained_run / "eval" / "steps_2-base_model" / "test-episodes3" / "summary.json").read_text())["checkpoint"] is None
 
 
 def test_exported_adapters_load_in_plain_peft_with_the_teams_logits(trained_run, tmp_path):
@@ -206,6 +207,19 @@ def test_exported_adapters_load_in_plain_peft_with_the_teams_logits(trained_run,
         assert expected.abs().max() > 0
     team.set_active(None)
     assert "PeftModel.from_pretrained" in (out / "README.md").read_text()
+
+
+def test_a_new_run_refuses_a_folder_holding_another_runs_checkpoints(trained_run, random_model_dir, capsys):
+    argv = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--output_dir", str(trained_run)]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run's checkpoints" in err and f"--load_path {trained_run}" in err
+
+
+def test_play_with_an_empty_problem_prints_only_the_error(trained_run, capsys):
+    assert marft(["play", "--load_path", str(trained_run), "  "]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: the problem is empty")
 
 
 def test_export_refuses_a_folder_that_is_not_empty(trained_run, tmp_path, capsys):

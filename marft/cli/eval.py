@@ -17,14 +17,15 @@ def build_parser():
                    "'humaneval' for code; default: the run's held-out data")
     p.add_argument("--split", default="test", help="the split to evaluate: test, or a folder's <split>.jsonl (e.g. test500)")
     p.add_argument("--n", type=int, default=1, help="samples per task")
-    p.add_argument("--k", type=int_list, default=[1], help="pass@k for these k (comma-separated, each at most --n)")
+    p.add_argument("--k", type=int_list, help="pass@k for these k (comma-separated, each at most --n; default 1)")
     p.add_argument("--episodes", type=int, help="play this many episodes (task = episode %% tasks) instead of --n per task; "
                    "with the run's --eval_episodes it replays the evaluation training printed")
     p.add_argument("--greedy", action="store_true", help="also report the success of one greedy pass per task (top-k 1)")
     p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model])")
+    p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model]/"
+                   "<split>-n<N> or <split>-episodes<E>)")
     return p
 
 
@@ -40,8 +41,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise ValueError("--load_path is required (a checkpoint or a run directory); with --base_model its config is used without its adapters")
     if args.n < 1 or (args.episodes is not None and args.episodes < 1) or (args.n_eval_threads is not None and args.n_eval_threads < 1):
         raise ValueError("--n, --episodes and --n_eval_threads must be at least 1")
-    if args.episodes is not None and args.n != 1:
-        raise ValueError("--episodes plays that many episodes in all; --n (samples per task, for pass@k) goes without it")
+    if args.episodes is not None and (args.n != 1 or args.k is not None):
+        raise ValueError("--episodes plays that many episodes in all; --n and --k (samples per task, pass@k) go without it")
     config, _ = checkpoint_config(args.load_path)
     if args.device:
         config.model.device = args.device
@@ -51,7 +52,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         config.env.eval_dataset_path = args.dataset_path
     if args.n_eval_threads is not None:
         config.runner.n_eval_threads = args.n_eval_threads
-    summary = evaluate(args.load_path, config=config, n=args.n, k=args.k, episodes=args.episodes, greedy=args.greedy,
+    summary = evaluate(args.load_path, config=config, n=args.n, k=args.k or [1], episodes=args.episodes, greedy=args.greedy,
                        output_dir=args.output_dir, seed=args.seed, base_model=args.base_model, split=args.split)
     print(json.dumps(summary, indent=2), flush=True)
     return 0

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
         from marft.trained.play import play
 
         problem = args.problem if args.problem is not None else sys.stdin.read()
+        if not problem.strip():
+            raise ValueError("the problem is empty: give the team a question (an argument or stdin)")
         config, _ = checkpoint_config(args.load_path)
         if args.device:
             config.model.device = args.device

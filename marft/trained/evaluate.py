@@ -105,7 +105,8 @@ def evaluate(
     """Evaluate the checkpoint at ``load_path`` (``base_model``: its team with fresh adapters, the "before" figure;
     no checkpoint: ``config``'s base model) on ``config``'s held-out split (default: the checkpoint's own config);
     returns the summary and writes it, with the transcripts, to ``output_dir`` (default
-    ``<run dir>/eval/steps_<N>[-base_model]``, or ``results/eval/<time>`` without a checkpoint). ``split``: the env's
+    ``<run dir>/eval/steps_<N>[-base_model]/<split>-n<n>`` (or ``-episodes<E>``), or ``results/eval/<time>`` without a
+    checkpoint). ``split``: the env's
     held-out split (a dataset folder's ``<split>.jsonl``, e.g. ``test500``).
 
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
@@ -136,8 +137,9 @@ def evaluate(
     if greedy:
         summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
     summary["seconds"] = round(time.perf_counter() - start, 1)
-    if output_dir is None and checkpoint is not None:
-        output_dir = checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
+    if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split and sample count
+        output_dir = (checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
+                      / (f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}"))
     out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts)
     summary["output_dir"] = str(out)

@@ -31,6 +31,8 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False, d
     from marft.training.checkpoint import read_checkpoint_meta
 
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file: export into a new folder")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
     config, checkpoint = checkpoint_config(load_path)
@@ -116,7 +118,10 @@ def model_card(team_file: dict, checkpoint: Path) -> str:
     lines += ["", "Load a role with transformers + peft:", "", "```python",
               "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
               f"base = AutoModelForCausalLM.from_pretrained({team_file['base_model_path']!r})",
-              f"agent = PeftModel.from_pretrained(base, {team_file['roles'][0]['adapter']!r})", "```", "",
-              "`team.json` holds each role's prompt, the workflow and the sampling settings; "
-              "`marft play --load_path <this checkpoint> \"<problem>\"` plays the team.", ""]
+              f"agent = PeftModel.from_pretrained(base, \"<this folder>/{team_file['roles'][0]['adapter']}\")", "```", ""]
+    if any("merged_model" in r for r in team_file["roles"]):
+        lines += ["Each role is also a full model with its adapter merged in: " + ", ".join(f"`{r['merged_model']}/`" for r in team_file["roles"])
+                  + " (`AutoModelForCausalLM.from_pretrained`).", ""]
+    lines += ["`team.json` holds each role's prompt, the workflow and the sampling settings. The team itself: "
+              f"`marft play --load_path {trained['checkpoint']} \"<problem>\"`.", ""]
     return "\n".join(lines)
