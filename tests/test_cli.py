@@ -166,6 +166,7 @@ def test_eval_replays_the_evaluation_training_printed(trained_run, capsys):
     assert summary["return"] == pytest.approx(summary_after["return_after"], abs=1e-12)
     transcripts = (trained_run / "e1" / "transcripts.jsonl").read_text().splitlines()
     assert len(transcripts) == 6 and all(json.loads(line)["steps"] for line in transcripts)
+    assert [json.loads(line)["task"] for line in transcripts] == list(range(6))  # episode k plays task k % 18 (the test split)
     assert set(summary["roles"]) == {"Reasoner", "Actor"} and summary["roles"]["Actor"]["turns"] == 6
 
 

@@ -61,7 +61,8 @@ def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed
         returns.extend(ep_return.tolist())
         correct.extend(last_correct.tolist())
         transcripts.extend(
-            {"episode": k, "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i])}
+            {"episode": k, "task": k % envs[i].unwrapped.num_tasks if envs[i].unwrapped.num_tasks else None,
+             "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i])}
             for i, k in enumerate(batch)
         )
         bar.update(len(batch))

@@ -175,7 +175,7 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
     if tasks:
         correct = np.zeros(tasks, dtype=int)
         for episode in transcripts:
-            correct[episode["episode"] % tasks] += int(episode["correct"])
+            correct[episode["task"]] += int(episode["correct"])
         summary.update(tasks=tasks, n=n, **{f"pass@{kk}": float(np.mean([pass_at_k(n, int(c), kk) for c in correct])) for kk in k})
     summary["roles"] = role_stats(transcripts, roles)
     return summary
