@@ -112,10 +112,8 @@ def check_fresh_run_dir(config: TrainConfig) -> None:
     if not (checkpoints.is_dir() and any(p.name.startswith("steps_") for p in checkpoints.iterdir())):
         return
     load = config.runner.load_path
-    if load and Path(checkpoints).resolve() in (Path(load).resolve(), *Path(load).resolve().parents):
-        return
-    if load and Path(load).resolve() == Path(config.runner.output_dir).resolve():
-        return
+    if load and Path(config.runner.output_dir).resolve() in (Path(load).resolve(), *Path(load).resolve().parents):
+        return  # it continues a run of this folder (its run directory or one of its checkpoints)
     raise ValueError(f"--output_dir {config.runner.output_dir} already holds a run's checkpoints ({checkpoints}): continue it with "
                      f"--load_path {config.runner.output_dir}, or give this run a new --output_dir")
 

@@ -97,8 +97,8 @@ def test_nothing_imports_upward(graph):
     assert not upward, "upward imports:\n" + "\n".join(upward)
 
 
-def test_no_import_circles(graph):
-    """Depth-first search for a back edge; the first circle found is reported in full."""
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """Depth-first search for a back edge: the first import circle found, in full (None: there is none)."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
@@ -115,9 +115,14 @@ def test_no_import_circles(graph):
         return None
 
     for name in sorted(graph):
-        if name not in state:
-            circle = visit(name)
-            assert circle is None, "import circle: " + " -> ".join(circle)
+        if name not in state and (circle := visit(name)):
+            return circle
+    return None
+
+
+def test_no_import_circles(graph):
+    circle = find_circle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle)
 
 
 def test_the_checker_sees_upward_imports_and_circles(tmp_path):
@@ -129,6 +134,8 @@ def test_the_checker_sees_upward_imports_and_circles(tmp_path):
     assert imported_modules("marft.envs.a", known["marft.envs.a"], known) == {"marft.training.runner"}
     assert layer_of("marft.training.runner") > layer_of("marft.envs.a")
     assert imported_modules("marft.envs.b", known["marft.envs.b"], known) == {"marft.envs", "marft.envs.a"}
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_importing_the_config_loads_no_torch():
