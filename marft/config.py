@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, get_type_hints
 
 from marft.choices import (
-    CHAT_TEMPLATE_MODES, CREDIT_MODES, CRITIC_MODES, DTYPES, GENERATION_BACKENDS, KL_REFERENCES, NORMALIZATION_MODES, TRAINERS,
+    CHAT_TEMPLATE_MODES,
+    CREDIT_MODES,
+    CRITIC_MODES,
+    DTYPES,
+    GENERATION_BACKENDS,
+    KL_REFERENCES,
+    NORMALIZATION_MODES,
+    TRAINERS,
     WORKFLOWS,
 )
 from marft.validation import check_fields, rule_text
@@ -298,7 +305,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TrainConfig":
+    def from_dict(cls, data: dict) -> TrainConfig:
         return cls(
             model=ModelConfig(**data["model"]),
             env=EnvConfig(**data["env"]),

@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import atexit
 import os
+from collections.abc import Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as tdist

@@ -75,9 +75,9 @@ def validate(config: TrainConfig):
     """Check flags across sections, device, output folder, profile, model path, data and resume path; return
     ``(profile, make_train_env, make_eval_env)``. (Each flag alone was checked when the config was built:
     :mod:`marft.validation`.)"""
-    from marft.models.loading import check_model_path
     from marft.algorithms import trainer_class
     from marft.envs.profile import load_profile
+    from marft.models.loading import check_model_path
     from marft.validation import check_device, check_output_dir
 
     config.check()
@@ -194,10 +194,10 @@ def build_team(config: TrainConfig, profile, dist=None):
     The seed is set after loading, since building the embedded model draws random numbers: a first run and
     a cached run start alike. With several processes (``dist``), rank 0 builds the embedded model first,
     every process starts from rank 0's adapters, and each samples with its own seed."""
-    from marft.models.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.algorithms import make_trainer, trainer_class
     from marft.distributed import Distributed
+    from marft.models.loading import load_base_model
 
     dist = dist or Distributed()
     with dist.main_process_first():  # rank 0 builds and caches the embedded model before the others read it

@@ -70,15 +70,15 @@ class TurnBatch:
     def __len__(self) -> int:
         return len(next(iter(self.fields().values())))
 
-    def rows(self, index) -> "TurnBatch":
+    def rows(self, index) -> TurnBatch:
         """The rows ``index`` (indices, a mask or a slice) of every set field."""
         return TurnBatch(**{name: value[index] for name, value in self.fields().items()})
 
-    def replace(self, **changes) -> "TurnBatch":
+    def replace(self, **changes) -> TurnBatch:
         """A copy with ``changes`` (the tensors themselves are shared)."""
         return dataclasses.replace(self, **changes)
 
-    def trimmed(self, device) -> "TurnBatch":
+    def trimmed(self, device) -> TurnBatch:
         """All-padding prompt columns (left) and reply columns (right) dropped, moved to ``device``."""
         out = self.fields()
         if self.prompt_mask is not None:

@@ -289,7 +289,8 @@ def bench_learning(args) -> dict:
 def build_runner(args):
     """The library's runner (``marft.launch.build_runner``) on a throw-away run directory unless
     ``--output_dir``; returns ``(runner, config, make_train_env)``."""
-    from marft.launch import build_runner as build_library_runner, validate
+    from marft.launch import build_runner as build_library_runner
+    from marft.launch import validate
 
     config = make_config(args, args.output_dir or tempfile.mkdtemp(prefix="marft_bench_run_"))
     validated = validate(config)
@@ -512,7 +513,7 @@ def bench_update(args) -> dict:
     timed(plain)
     marft_s, plain_s = [], []
     for r in range(args.repeats):  # interleaved so that drift affects both alike
-        marft_s.append(timed(lambda: metrics.update(trainer.update(buffer, r))))
+        marft_s.append(timed(lambda: metrics.update(trainer.update(buffer, r))))  # noqa: B023 - called at once
         plain_s.append(timed(plain))
         print(f"repeat {r}: marft update {marft_s[-1]:.2f}s, plain forward+backward {plain_s[-1]:.2f}s", flush=True)
     team.set_active(None)

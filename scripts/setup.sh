@@ -9,6 +9,6 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -r requirements.txt
+"$VENV/bin/python" -m pip install -q -r requirements.txt -r requirements-dev.txt  # dev: pytest, ruff, mkdocs
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 echo "installed marft into $VENV"

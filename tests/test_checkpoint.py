@@ -23,10 +23,9 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from marft.algorithms import TRAINERS
-import marft.envs
 from marft.faults import CheckpointError
-from marft.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from marft.launch import main
+from marft.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 E = 2  # n_rollout_threads; one team step per iteration, so num_env_steps = E * iterations
@@ -285,11 +284,11 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(random_model_dir, tmp_
 # ---------------------------------------------------------------------- safe, verified loading
 @pytest.fixture(scope="module")
 def team_and_trainer(random_model_dir):
-    from marft.models.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.algorithms import make_trainer
     from marft.config import AlgoConfig, ModelConfig
     from marft.envs.profile import load_profile
+    from marft.models.loading import load_base_model
 
     config = ModelConfig(model_name_or_path=random_model_dir, max_new_tokens=6, context_window=128)
     model, tokenizer = load_base_model(config)

@@ -15,8 +15,8 @@ from marft.envs.code.data import load_code_problems, read_code_file
 from marft.envs.code.env import NO_CODE_FEEDBACK
 from marft.envs.code.generated import generate_tasks
 from marft.envs.code.problem import CodeProblem, last_python_block
-from marft.envs.vector import TextVectorEnv
 from marft.envs.profile import list_profiles, load_profile
+from marft.envs.vector import TextVectorEnv
 from marft.prompting import JUDGE_ROLE
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*reward returned by `step\\(\\)` must be a float.*")

@@ -2,7 +2,7 @@
 
 One or more programs per class of attack; each must fail within its limits, leave nothing behind
 (processes, files, System V IPC objects, cgroup members), and never carry hidden data into feedback.
-The threat model in README.md ("Code tasks" → "Threat model") names which test covers what.
+The threat model in docs/code.md ("Threat model") names which test covers what.
 """
 
 import ast
@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_code_sandbox import files_owned_by_sandbox, sandbox_processes
 
 from marft.envs.code import SandboxLimits, run_tests
 from marft.envs.code import env as code_env
-from test_code_sandbox import files_owned_by_sandbox, sandbox_processes
 
 ROOT = os.geteuid() == 0
 pytestmark = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")

@@ -9,11 +9,11 @@ import sys
 import time
 
 import pytest
+from test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401 - the fixture
 
-from marft.envs.code import SandboxLimits, run_tests
+from marft.envs.code import SandboxLimits
 from marft.envs.code.compare import values_equal
 from marft.envs.code.harness import MAX_INT_DIGITS, from_json
-from test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401 - the fixture
 
 needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")
 

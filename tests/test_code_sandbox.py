@@ -6,7 +6,6 @@ import os
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 

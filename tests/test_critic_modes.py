@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_team import fill_buffer, make_team
 
 from marft.algorithms import trainer_class

@@ -25,8 +25,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import marft.envs
-from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
 from marft.launch import main
+from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"

@@ -12,10 +12,10 @@ from gymnasium.utils.env_checker import check_env
 
 from marft import envs
 from marft.envs.base import EpisodeState
+from marft.envs.cooperative import RelaySumEnv
 from marft.envs.math import MathEnv, load_problems
 from marft.envs.math.data import load_problem_set
 from marft.envs.profile import load_profile
-from marft.envs.cooperative import RelaySumEnv
 from marft.envs.vector import TextVectorEnv
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 
@@ -233,7 +233,7 @@ def test_vector_env_keeps_truncation_apart_and_works_with_gymnasium_wrappers():
     obs, infos = vec.reset(seed=0)
     keys = [texts[0] for texts in infos["private_observations"]]
     assert all(key.startswith("x = ") for key in keys) and vec.private_observations == list(infos["private_observations"])
-    for step in (1, 2):
+    for _step in (1, 2):
         obs, rewards, terminated, truncated, infos = vec.step([["no idea", "\\boxed{-1}"]] * 2)
     assert truncated.tolist() == [True, True] and not terminated.any()
     assert [texts[0] for texts in infos["final_info"]["private_observations"]] == keys  # the finished episodes' keys

@@ -3,7 +3,6 @@ construction, no critic anywhere in a GRPO run, rounds of whole episodes, the KL
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

@@ -3,13 +3,12 @@ every prompt is a ChatML chat, replies end with ``<|im_end|>``, its orchestrator
 tags before any RL (routing at random), and its code team writes ```` ```python ```` programs that pass some of the
 hidden tests. This is the path instruct models (Qwen2.5-Instruct, Llama-3-Instruct) take, trained and tested here."""
 
-import pytest
 import torch
 
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs.code.problem import last_python_block
-from marft.launch import build_runner, seed_everything
 from marft.envs.workflows import OrchestratedWorkflow
+from marft.launch import build_runner, seed_everything
 
 N_ENVS = 32
 

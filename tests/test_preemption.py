@@ -25,19 +25,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_checkpoint import weights
 
-import marft.training.checkpoint as checkpoint_module
 import marft.rollout.collector as collector_module
 import marft.rollout.evaluation as evaluation_module
+import marft.training.checkpoint as checkpoint_module
 import marft.training.runner as runner_module
 from marft.algorithms.appo_trainer import APPOTrainer
+from marft.distributed import SINGLE
 from marft.faults import ExitCode
 from marft.launch import main
 from marft.training.checkpoint import find_checkpoint
 from marft.training.preemption import Preemption
-from marft.distributed import SINGLE
-
-from test_checkpoint import weights
 
 ROOT = Path(__file__).resolve().parents[1]
 E, T = 2, 2  # envs, team steps per iteration
@@ -411,7 +410,10 @@ def test_low_free_space_warns_before_training(random_model_dir, tmp_path, monkey
 def test_sigterm_to_one_of_two_processes_stops_both_with_one_checkpoint(random_model_dir, tmp_path):
     """torchrun, 2 processes: SIGTERM to rank 1 alone (rank 0 never sees it) stops both at the same boundary, both
     save their part of one checkpoint and exit with 75; the run then continues from it with 2 processes."""
-    from test_distributed import E as DIST_E, TORCHRUN, WORKER, ENV, flags as dist_flags, ranks, train as dist_train
+    from test_distributed import ENV, TORCHRUN, WORKER, ranks
+    from test_distributed import E as DIST_E
+    from test_distributed import flags as dist_flags
+    from test_distributed import train as dist_train
 
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()

@@ -17,13 +17,13 @@ import pytest
 import torch
 from test_team import HISTORIES, fill_buffer, make_team
 
-from marft.models.loading import load_base_model
 from marft.agents.adapters import adapter_of
 from marft.agents.team import AgentTeam
 from marft.algorithms import TRAINERS, trainer_class
 from marft.choices import NORMALIZATION_MODES
 from marft.config import CHOICES, AlgoConfig, ModelConfig, TrainConfig, build_parser, parse_config
 from marft.envs.profile import AgentSpec
+from marft.models.loading import load_base_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -238,8 +238,8 @@ ABBREVIATED = [("--num_env", "num_env_steps", "64"), ("--lr", "lr", "0.003"), ("
 
 @pytest.mark.parametrize("style", ["abbreviated", "equals", "abbreviated_equals"])
 def test_flags_given_abbreviated_or_with_equals_survive_a_resume(random_model_dir, tmp_path, style):
-    from marft.training.checkpoint import resume_config
     from marft.launch import main
+    from marft.training.checkpoint import resume_config
 
     run = tmp_path / "run"
     base = ["--model_name_or_path", random_model_dir, "--env_name", "relay_sum", "--max_new_tokens", "4", "--context_window", "128",

@@ -3,15 +3,15 @@ that agent, the gradient flowing back through them: gradients equal the plain pe
 
 import pytest
 import torch
+from team_oracle import play_step
 from test_rl_audit import one_step_gradients, perturb_adapters
 from test_team import HISTORIES
 
-from team_oracle import play_step
-from marft.models.loading import load_base_model
 from marft.agents.team import AgentTeam
 from marft.algorithms import trainer_class
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import load_profile
+from marft.models.loading import load_base_model
 from marft.rollout.buffer import RolloutBuffer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

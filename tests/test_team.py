@@ -1,21 +1,20 @@
 """The agent team on one base model: scoring, masks, truncation and which parameters train."""
 
-import copy
 import dataclasses
 
 import pytest
 import torch
-
-from marft.algorithms.advantages import fill_action_advantages
 from team_oracle import play_step
-from marft.models.loading import load_base_model
+
 from marft.agents.generation import reply_mask
 from marft.agents.team import AgentTeam
 from marft.algorithms import TRAINERS, trainer_class
+from marft.algorithms.advantages import fill_action_advantages
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.tppo_trainer import TPPOTrainer
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import AgentSpec, load_profile
+from marft.models.loading import load_base_model
 from marft.rollout.buffer import RolloutBuffer
 
 HISTORIES = [
@@ -454,7 +453,7 @@ def test_sampling_with_the_adapter_folded_into_the_base_weights(random_model_dir
                 p.normal_(std=0.3)
     base_before = {n: p.detach().clone() for n, p in team.model.named_parameters() if "lora_" not in n}
     ids, mask = team.encode_prompts(1, HISTORIES, [[("Reasoner", "hi")], [], []])
-    for agent, adapter in enumerate(team.agent_adapters):
+    for adapter in team.agent_adapters:
         team.bank.route(adapter)
         with torch.no_grad():
             unmerged = team.model(input_ids=ids, attention_mask=mask).logits

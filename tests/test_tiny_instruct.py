@@ -12,13 +12,18 @@ from marft.agents.prompts import PromptEncoder
 from marft.envs.code.generated import generate_tasks
 from marft.envs.code.problem import last_python_block
 from marft.envs.profile import load_profile
+from marft.envs.route import asked_shelf
+from marft.envs.workflows import OrchestratedWorkflow
 from marft.models.loading import embedded_recipe
 from marft.models.tiny import TinyRecipe, ensure_tiny_model
 from marft.models.tiny_instruct import (
-    CHATML_TEMPLATE, INSTRUCT_MODEL_NAME, InstructRecipe, code_transcripts, epoch_transcripts, route_transcripts,
+    CHATML_TEMPLATE,
+    INSTRUCT_MODEL_NAME,
+    InstructRecipe,
+    code_transcripts,
+    epoch_transcripts,
+    route_transcripts,
 )
-from marft.envs.route import asked_shelf
-from marft.envs.workflows import OrchestratedWorkflow
 
 QUICK = InstructRecipe(hidden_size=32, num_layers=1, num_heads=2, sft_steps=2, sft_batch_size=4)
 

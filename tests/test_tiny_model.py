@@ -87,12 +87,12 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
     arithmetic (math env) and relay_sum, whose Reasoner prompt holds the private key."""
     import numpy as np
 
-    from marft.models.loading import load_base_model
     from marft.agents.team import AgentTeam
     from marft.config import ModelConfig
     from marft.envs.cooperative import keeper_observation, relay_problem, relay_tasks
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.envs.profile import load_profile
+    from marft.models.loading import load_base_model
     from marft.models.tiny import _relay_pairs, warm_start_prompts, warm_start_transcripts
     from marft.prompting import format_problem
     from marft.sft import turn_examples

@@ -4,7 +4,7 @@ states, log-probs, values and gradients as transformers' padded forward, for eac
 import pytest
 import torch
 from test_shared_header_update import assert_same_gradients, gradients, rollout
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from marft.agents.headers import position_ids_from_mask
 from marft.agents.unpadded import supports_unpadded, unpadded_decoder_states

@@ -1,4 +1,4 @@
-"""A user's own environment, end to end: the README's code runs as written, ``--env_name`` finds envs by import
+"""A user's own environment, end to end: the guide's code (docs/environments.md) and the README's runs as written, ``--env_name`` finds envs by import
 path and entry point, bad envs stop before the model loads, and equal rewards do not move the policy."""
 
 import json
@@ -20,8 +20,16 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+GUIDE = ROOT / "docs" / "environments.md"
+
+
+def python_blocks(page: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+
+
 def readme_python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+    """The ```python blocks of the environment guide (docs/environments.md), in order."""
+    return python_blocks(GUIDE)
 
 
 def small_run(model_dir, output_dir, *extra) -> list[str]:
@@ -31,20 +39,20 @@ def small_run(model_dir, output_dir, *extra) -> list[str]:
 
 
 def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_registry):
-    """Every ```python block of the README, in order, in one namespace (as a reader would paste them)."""
+    """Every ```python block of the environment guide, in order, in one namespace (as a reader would paste them)."""
     monkeypatch.chdir(tmp_path)  # the API example writes its run directory under results/
     blocks = readme_python_blocks()
     assert len(blocks) >= 3 and any("class AgreeDigitEnv" in b for b in blocks)
     namespace: dict = {"__name__": "readme"}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - the README's own code
+        exec(compile(block, str(GUIDE), "exec"), namespace)  # noqa: S102 - the guide's own code
     assert namespace["rewards"].tolist() == [1.0, 1.0] and namespace["info"]["correct"]
     assert Path(namespace["summary"]["run_dir"], "summary.json").is_file()
 
 
 @pytest.fixture
 def user_package(tmp_path, monkeypatch):
-    """The README's environment saved as ``my_envs/agree.py`` in a folder on ``sys.path`` (as PYTHONPATH=. does)."""
+    """The guide's environment saved as ``my_envs/agree.py`` in a folder on ``sys.path`` (as PYTHONPATH=. does)."""
     package = tmp_path / "userland" / "my_envs"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
@@ -59,6 +67,38 @@ def test_env_name_takes_an_import_path(random_model_dir, tmp_path, user_package)
     run = tmp_path / "run"
     assert main(small_run(random_model_dir, run, "--env_name", "my_envs.agree:AgreeDigitEnv")) == 0
     assert json.loads((run / "summary.json").read_text())["iterations"] == 2
+
+
+def test_the_readme_environment_trains_by_its_import_path(random_model_dir, tmp_path, monkeypatch):
+    """The README's short env, saved as ``my_envs/same.py`` as the README says, passes gymnasium's checker,
+    judges as its docstring says, and trains through ``--env_name my_envs.same:SameWordEnv``."""
+    import warnings
+
+    from gymnasium.utils.env_checker import check_env
+
+    [block] = python_blocks(ROOT / "README.md")
+    package = tmp_path / "userland" / "my_envs"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "same.py").write_text(block)
+    monkeypatch.syspath_prepend(str(package.parent))
+    try:
+        from my_envs.same import SameWordEnv
+
+        env = SameWordEnv()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "reward is not a float": one reward per agent, on purpose
+            check_env(env)
+        env.reset(seed=0)
+        assert env.step(("apple", " apple "))[1].tolist() == [1.0, 1.0]
+        env.reset(seed=0)
+        assert env.step(("apple", "pear"))[1].tolist() == [0.0, 0.0]
+        run = tmp_path / "run"
+        assert main(small_run(random_model_dir, run, "--env_name", "my_envs.same:SameWordEnv")) == 0
+        assert json.loads((run / "summary.json").read_text())["iterations"] == 2
+    finally:
+        for name in [m for m in sys.modules if m.startswith("my_envs")]:
+            del sys.modules[name]
 
 
 def test_env_name_finds_an_installed_packages_entry_point(tmp_path, user_package, monkeypatch):
@@ -194,7 +234,7 @@ def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(ran
 
 @pytest.mark.slow
 def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_path, user_package):
-    """The README's walkthrough, shortened: the embedded model never writes ``{d}``; the warm start on the env's
+    """The guide's walkthrough, shortened: the embedded model never writes ``{d}``; the warm start on the env's
     demonstrations teaches the format (agreement at chance), RL then finds a convention on held-out rounds."""
     from marft.cli.sft import main as sft_main
 

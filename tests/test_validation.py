@@ -16,8 +16,8 @@ from typing import get_type_hints
 import pytest
 import torch
 
-import marft.launch
 import marft.cli.sft
+import marft.launch
 import marft.sft
 from marft.config import CHOICES, SECTIONS, build_parser, field_docs
 from marft.sft import SFTConfig

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from team_oracle import play_step
+
 from marft.algorithms.advantages import agent_chain_gae
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs import MultiAgentTextEnv, StepOutcome

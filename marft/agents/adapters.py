@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn

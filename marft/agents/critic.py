@@ -13,7 +13,7 @@ learning there was worse (0.43 against 0.88 success on the training tasks in 512
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
@@ -140,7 +140,7 @@ class Critic(nn.Module):
         return self.value_heads[critic](hidden.float()).squeeze(-1) * response_mask  # (B, L)
 
     @torch.no_grad()
-    def value_batches(self, batches: Sequence[tuple[int, "TurnOutput"]], token_values: bool = False) -> None:
+    def value_batches(self, batches: Sequence[tuple[int, TurnOutput]], token_values: bool = False) -> None:
         """Critic values of turn batches, ``(agent, TurnOutput)`` each: fills every batch's ``values (B,)`` and,
         with ``token_values``, ``token_values (B, L)``.
 

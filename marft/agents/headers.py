@@ -7,8 +7,8 @@ Used by the generation backend (rollouts) and the critic (values), through which
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Sequence
 
 import torch
 import torch.nn as nn

@@ -15,13 +15,12 @@ the role prompt at the head of the user message, inside the header all the same.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from marft.choices import CHAT_TEMPLATE_MODES
 from marft.prompting import build_prompt, format_conversation, format_header, format_private, handover_text
-
 
 USER_PLACEHOLDER = "MARFT-USER-CONTENT-1f7c"
 """Rendered as the user message once per agent to find where its prompts' own text goes in the template."""

@@ -28,17 +28,17 @@ L = reply length, V = vocabulary):
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn as nn
 
-from marft.config import ModelConfig
 from marft.agents.adapters import AdapterBank, adapter_name_for
 from marft.agents.critic import CRITIC_ADAPTER, Critic
 from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings, make_backend
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
+from marft.config import ModelConfig
 from marft.types import ReplyScores, TurnOutput
 
 SHARED_ADAPTER = "shared"

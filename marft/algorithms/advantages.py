@@ -297,7 +297,6 @@ def turn_credits(
             return rewards
         own = (team_rewards if team_rewards is not None else rewards).gather(-1, agents.clamp(min=0))  # (T, E, S)
         return torch.where(played, own, torch.zeros_like(own))
-    S = rewards.shape[-1]
     team = (rewards if team_rewards is None else team_rewards).mean(-1, keepdim=True)  # (T, E, 1)
     if mode == "equal":
         return team.expand_as(rewards) * played

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 
 from marft.algorithms.advantages import buffer_credits, fill_group_advantages
-from marft.algorithms.ppo import PPOTrainer
 from marft.algorithms.losses import clipped_policy_loss
+from marft.algorithms.ppo import PPOTrainer
 from marft.rollout.buffer import RolloutBuffer
 from marft.types import TurnBatch
 

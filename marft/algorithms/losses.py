@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
 NORMALIZERS = {
     "sum": lambda total, mask, n_words: total,
     "token": lambda total, mask, n_words: total / mask.sum(-1).clamp(min=1),

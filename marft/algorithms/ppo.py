@@ -219,9 +219,9 @@ class PPOTrainer:
         out_of_topk = self.counters["out_of_topk_tokens"]
         with self.team.bank.lora_dropout_active():
             metrics = self.update_critics(buffer)
-            for adapter, agents in self.adapter_groups(agents).items():
-                samples = buffer.agent_samples(agents, self.token_level)
-                label = self.team.profile[agents[0]].role if len(agents) == 1 else adapter
+            for adapter, group in self.adapter_groups(agents).items():
+                samples = buffer.agent_samples(group, self.token_level)
+                label = self.team.profile[group[0]].role if len(group) == 1 else adapter
                 for key, value in self.update_policy(adapter, samples).items():
                     metrics[f"agent_{label}/{key}"] = value
         self.team.set_active(None)

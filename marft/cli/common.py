@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 from marft.config import OneLineErrorParser
 from marft.faults import ExitCode

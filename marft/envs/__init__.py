@@ -15,8 +15,8 @@ The shipped environments are registered with gymnasium too (``gymnasium.make("ma
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from importlib.metadata import entry_points
-from typing import Callable
 
 import gymnasium
 

@@ -37,15 +37,16 @@ import copy
 import dataclasses
 import functools
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 from marft.envs.workflows import StepTurns, Workflow, sequential
+from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ newlines, backslashes and braces, accented/Greek/Cyrillic/CJK letters, math symb
 (Characters beyond U+FFFF, e.g. emoji, are outside the declared space; nothing enforces it.)"""
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _text_space_template(max_length: int) -> spaces.Text:
     return spaces.Text(max_length=max_length, min_length=0, charset=WIDE_CHARSET)
 

@@ -29,8 +29,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from marft.prompting import HOST_ROLE, JUDGE_ROLE
 from marft.envs.workflows import topological_layers
+from marft.prompting import HOST_ROLE, JUDGE_ROLE
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 

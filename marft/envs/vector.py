@@ -16,7 +16,7 @@ that way first (``CodeEnv`` starts its sandboxes in a pool), then steps them one
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import gymnasium as gym
 import numpy as np

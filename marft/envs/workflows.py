@@ -19,8 +19,8 @@ runner, at each moment, groups the environments by the agent that speaks and gen
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from marft.choices import WORKFLOWS
 from marft.prompting import HOST_ROLE, handover_text

@@ -128,7 +128,7 @@ def _instruct_corpus(recipe: InstructRecipe) -> list[str]:
         for spec in load_profile(name):
             texts.append(f"{IM_START}system\n{spec.prompt}{IM_END}\n{IM_START}user\n{handover_text(spec.role)}{IM_END}\n{IM_START}assistant\n")
     texts.append(f"{IM_START}system\nYou are a helpful assistant.{IM_END}\n")
-    for name, transcripts in epoch_transcripts(recipe, np.random.default_rng(recipe.seed)).items():
+    for _name, transcripts in epoch_transcripts(recipe, np.random.default_rng(recipe.seed)).items():
         for transcript in transcripts:
             private = "".join(f"{text}\n\n" for text in transcript.get("private", {}).values())
             conversation = private + format_problem(transcript["problem"])

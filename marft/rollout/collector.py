@@ -9,8 +9,8 @@ one :class:`RolloutNeeds`; the collector knows nothing else of the trainer.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch

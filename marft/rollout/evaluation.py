@@ -3,7 +3,7 @@ the same :func:`~marft.rollout.turns.play_team_step` as the rollout."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from tqdm import tqdm

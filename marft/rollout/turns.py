@@ -9,8 +9,8 @@ speak in parallel on the same history. The step ends when no environment has a s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from marft.agents.team import AgentTeam
 from marft.types import TurnOutput

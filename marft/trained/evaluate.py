@@ -15,8 +15,8 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -78,8 +78,8 @@ def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test")
     """The team ``config`` describes with the adapters of ``checkpoint`` (None: fresh adapters, i.e. the base model's
     own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``, the env on ``split``. Only what a trained team needs
     is checked (the profile, the model, the device, the held-out env), not the training data or run folder."""
-    from marft.launch import build_env_factories, build_team, probe_env
     from marft.envs.profile import load_profile
+    from marft.launch import build_env_factories, build_team, probe_env
     from marft.models.loading import check_model_path
     from marft.training.checkpoint import load_checkpoint
     from marft.validation import check_device

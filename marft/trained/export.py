@@ -26,8 +26,8 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False, d
     Raises:
         FileExistsError: ``output_dir`` exists and is not empty. FileNotFoundError / CheckpointError: a bad checkpoint.
     """
-    from marft.trained.evaluate import checkpoint_config, load_team
     from marft.models.loading import resolve_model_path
+    from marft.trained.evaluate import checkpoint_config, load_team
     from marft.training.checkpoint import read_checkpoint_meta
 
     out = Path(output_dir)

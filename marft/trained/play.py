@@ -3,8 +3,8 @@ its role. ``marft play`` (:mod:`marft.cli.play`) is this module from the command
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -24,8 +24,8 @@ def play(problem: str, load_path: str | Path | None = None, config: TrainConfig 
     """
     from marft.envs.one_problem import OneProblemEnv
     from marft.envs.workflows import workflow_for
-    from marft.trained.evaluate import load_team, team_source
     from marft.rollout.turns import play_team_step
+    from marft.trained.evaluate import load_team, team_source
 
     config, checkpoint = team_source(load_path, config)
     if not problem.strip():

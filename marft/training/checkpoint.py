@@ -199,7 +199,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
             raise CheckpointError(f"checkpoint {path} has no adapter {adapter!r} ({weights} missing): was it saved by a different team?")
         adapters[adapter] = _read(weights, lambda f: load_file(f, device=str(team.device)))
     references = {}  # the frozen KL references (--kl_reference initial) this checkpoint has; the others start as their adapter
-    for adapter, reference in team.reference_adapters.items():
+    for _adapter, reference in team.reference_adapters.items():
         weights = path / reference / "adapter_model.safetensors"
         if weights.is_file():
             references[reference] = _read(weights, lambda f: load_file(f, device=str(team.device)))

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from marft.envs.workflows import StepTurns
 

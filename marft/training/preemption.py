@@ -63,7 +63,7 @@ class Preemption:
         self._previous: dict[int, object] = {}
 
     # ------------------------------------------------------------------ signal handlers
-    def __enter__(self) -> "Preemption":
+    def __enter__(self) -> Preemption:
         self._last_save = time.monotonic()
         if threading.current_thread() is not threading.main_thread():
             logger.warning("training runs outside the main thread: SIGTERM/SIGINT are not handled (no checkpoint on a stop)")

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -28,13 +28,11 @@ from tqdm import tqdm
 from marft.agents.team import AgentTeam
 from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
+from marft.envs.workflows import OrchestratedWorkflow
 from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveFailed, TrainingStopped, oom_message
 from marft.rollout.buffer import RolloutBuffer
 from marft.rollout.collector import RolloutCollector, RolloutNeeds
 from marft.rollout.evaluation import evaluate_episodes
-from marft.training.diagnostics import TeamDiagnostics, write_transcripts
-from marft.training.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
-from marft.training.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
 from marft.training.checkpoint import (
     cleanup_partial_checkpoints,
     config_changes,
@@ -46,7 +44,9 @@ from marft.training.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from marft.envs.workflows import OrchestratedWorkflow
+from marft.training.diagnostics import TeamDiagnostics, write_transcripts
+from marft.training.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
+from marft.training.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
 
 ORCHESTRATOR_INVALID = "orchestrator_invalid"
 """The trainer counter of orchestrator replies (training rollouts) with neither a known call nor ``<done/>``."""

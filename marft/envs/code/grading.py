@@ -20,9 +20,9 @@ import atexit
 import os
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
-from typing import Sequence
 
 from marft.envs.code.compare import parse_literal
 from marft.envs.code.report import TestReport, Tests

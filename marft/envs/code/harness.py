@@ -685,9 +685,9 @@ def answer_requests(job, code, namespace, req_fd, reply, limit, pid1):
             capture = Capture(b"")
             if request[0] == "eval":
                 test = compile(request[1], "<test>", "eval")
-                outcome = run_guarded(lambda: result.append(eval(test, namespace)), exit_ok=False)
+                outcome = run_guarded(lambda: result.append(eval(test, namespace)), exit_ok=False)  # noqa: B023 - called at once
             else:
-                outcome = run_guarded(lambda: result.append(namespace[job["entry_point"]](*request[1], **request[2])), exit_ok=False)
+                outcome = run_guarded(lambda: result.append(namespace[job["entry_point"]](*request[1], **request[2])), exit_ok=False)  # noqa: B023
         stdout, over = capture.finish(limit)
         kill_leftovers(pid1)
         if over:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Union
 
 STATUSES = ("passed", "failed", "error", "timeout", "memory", "output_limit")
 """Per-test verdicts: right answer; wrong answer; the program raised or exited early; over the

@@ -363,7 +363,7 @@ class Slot:
             os.close(self._lock)
             self._lock = None
 
-    def __enter__(self) -> "Slot":
+    def __enter__(self) -> Slot:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,6 @@ from marft.envs.datasets import read_rows, resolve_dataset_file
 from marft.envs.math.arithmetic import generate_arithmetic
 from marft.envs.math.grader import last_boxed
 
-
 ARITHMETIC = "arithmetic"
 
 

@@ -1,0 +1,101 @@
+"""The documentation: generated pages are current, the config reference covers every flag of ``marft train``,
+the docs site builds with ``mkdocs build --strict``, ruff is clean, and the README stays a landing page."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import render_benchmarks  # noqa: E402
+import render_config_reference  # noqa: E402
+
+
+def tool(name: str) -> str:
+    """The path of a dev tool (requirements-dev.txt) next to this interpreter; skipped outside CI if not installed."""
+    path = Path(sys.executable).with_name(name)
+    found = str(path) if path.is_file() else shutil.which(name)
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed: CI installs requirements-dev.txt (scripts/setup.sh)")
+        pytest.skip(f"{name} is not installed (pip install -r requirements-dev.txt)")
+    return found
+
+
+def test_the_configuration_reference_is_generated_from_the_config():
+    assert (ROOT / "docs" / "configuration.md").read_text() == render_config_reference.render(), (
+        "docs/configuration.md is out of date: python scripts/render_config_reference.py")
+
+
+def test_the_configuration_reference_lists_every_flag_of_marft_train(capsys):
+    from marft.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    help_flags = set(re.findall(r"^\s+(--[a-z_]+)", capsys.readouterr().out, flags=re.M)) - {"--help"}
+    page_flags = set(re.findall(r"^\| `(--[a-z_]+)` \|", (ROOT / "docs" / "configuration.md").read_text(), flags=re.M))
+    assert len(help_flags) > 60
+    assert help_flags - page_flags == {"--config"}  # the run-config file itself, explained in the page's header
+    assert page_flags <= help_flags
+    assert "--config FILE.yaml" in (ROOT / "docs" / "configuration.md").read_text()
+
+
+def test_the_benchmarks_page_and_readme_table_are_generated_from_the_recorded_results():
+    assert (ROOT / "docs" / "benchmarks.md").read_text() == render_benchmarks.render(), (
+        "docs/benchmarks.md is out of date: python scripts/render_benchmarks.py")
+    assert (ROOT / "README.md").read_text() == render_benchmarks.render_readme(), (
+        "README.md's results table is out of date: python scripts/render_benchmarks.py")
+
+
+def test_every_readme_figure_has_its_command_on_the_benchmarks_page():
+    table = render_benchmarks.readme_table()
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| ")]
+    assert rows, "the README's results table is empty: run the benchmark suites (benchmarks/suites.yaml)"
+    for row in rows:
+        command = re.search(r"\| `([^`]+)` \|", row).group(1)
+        assert command.replace(" S", " 0") in page or command in page, row
+
+
+def test_the_suite_definitions_are_well_formed(tmp_path):
+    suites = render_benchmarks.load_suites()
+    for name, suite in suites.items():
+        commands = {row["command"] for row in suite["rows"]}
+        assert len(commands) == len(suite["rows"]), f"{name}: two rows run the same command"
+        for entry in suite.get("readme", []):
+            missing = [s for s in entry["seeds"] if entry["command"].format(seed=s) not in commands]
+            assert not missing, f"{name}: the README entry {entry['what']!r} names seeds no row runs: {missing}"
+    bad = tmp_path / "suites.yaml"
+    bad.write_text("x:\n  title: t\n  about: a\n  reads: stdout\n  rows: []\n")
+    with pytest.raises(ValueError, match="reads must be one of"):
+        render_benchmarks.load_suites(bad)
+
+
+def test_the_docs_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict``: a broken link, a missing anchor or a page left out of the nav fails it."""
+    mkdocs = tool("mkdocs")
+    done = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "site" / "configuration" / "index.html").is_file()
+
+
+def test_ruff_is_clean():
+    ruff = tool("ruff")
+    done = subprocess.run([ruff, "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_readme_is_a_landing_page():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for link in re.findall(r"\]\(((?:docs/)?[\w./-]+\.md)(?:#[\w-]+)?\)", readme):
+        assert (ROOT / link).is_file(), f"README links to {link}, which does not exist"
+    assert "calibrate" not in readme, "calibration readings belong in the generated benchmarks page"
+    assert ".venv/bin/python -m pytest -q tests" in readme  # the test command CI runs (.ci/run)
