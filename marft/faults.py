@@ -19,7 +19,7 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Exit codes of the training commands (documented in the README's "Running on a cluster")."""
+    """Exit codes of the training commands (documented in docs/runs.md)."""
 
     OK = 0
     """Training finished."""

@@ -93,7 +93,7 @@ def validate(config: TrainConfig):
     if trainer_class(config.algo.algorithm_name).group_relative and not make_train_env().unwrapped.num_tasks:
         raise ValueError(
             f"--algorithm_name {config.algo.algorithm_name} resets each group of envs on one task, by reset(options={{'task_index': i}}); "
-            f"--env_name {config.env.env_name} sets no num_tasks (see 'Writing your own environment' in the README)"
+            f"--env_name {config.env.env_name} sets no num_tasks (see docs/environments.md, 'Tasks by index')"
         )
     if config.runner.load_path:
         check_work_left(config)

@@ -64,9 +64,8 @@ QWEN25_05B_SHAPE = dict(
 """The shape of Qwen2.5-0.5B (random weights) for ``--model qwen2.5-0.5b-shape``."""
 
 GRPO_LEARNING_GROUPS = 8
-"""Groups (tasks) per round in ``learning`` with GRPO: 8 groups of 4 (32 envs) reach 0.92-0.965 held-out
-success on ``relay_sum`` (seeds 0-2), where 4 groups of 4 (16 envs, 8 tasks per update) reach 0.795 on seed 0
-(README, Benchmarks)."""
+"""Groups (tasks) per round in ``learning`` with GRPO: fewer tasks per update (4 groups of 4) learn far less
+steadily over seeds (docs/benchmarks.md)."""
 
 PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solver_reflector_verifier"}
 """The shipped profile used for each ``--n_agents``."""

@@ -238,3 +238,10 @@ def test_play_prints_every_turn_with_its_role(trained_run, capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "Problem: Agree on one digit."
     assert lines[1].startswith("Reasoner: ") and lines[2].startswith("Actor: ")
+
+
+def test_each_subcommands_help_names_it(capsys):
+    for command in ("train", "eval", "export", "play", "sft"):
+        with pytest.raises(SystemExit):
+            marft([command, "--help"])
+        assert capsys.readouterr().out.startswith(f"usage: marft {command} "), command

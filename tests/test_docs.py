@@ -99,3 +99,4 @@ def test_the_readme_is_a_landing_page():
         assert (ROOT / link).is_file(), f"README links to {link}, which does not exist"
     assert "calibrate" not in readme, "calibration readings belong in the generated benchmarks page"
     assert ".venv/bin/python -m pytest -q tests" in readme  # the test command CI runs (.ci/run)
+

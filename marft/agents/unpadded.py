@@ -131,7 +131,7 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
     if tail is not None:  # queries, attention output and MLP of the last `tail` columns only (a pad there: zeros in, finite out)
         hidden = layout.rows(hidden)[:, S - tail :]  # (B, tail, H) the residual stream there
         # the norm runs again on these rows rather than reusing rows(x): equal values, but another rounding of the
-        # reduction (~1e-7), and the README's learning figures were measured with this one; it costs B·tail rows
+        # reduction (~1e-7) that seeded runs depend on; it costs B·tail rows
         q = attn.q_proj(layer.input_layernorm(hidden)).view(B, tail, n_heads, head_dim)
         q_cos, q_sin = layout.rows(layout.cos)[:, S - tail :], layout.rows(layout.sin)[:, S - tail :]  # (B, tail, 1, d)
         query_mask = layout.allowed[:, :, S - tail :]

@@ -42,9 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: unknown command {command!r}; one of {', '.join(SUBCOMMANDS)} (see marft --help)", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[command][0])
-    if command == "train":
-        return module.run_main(rest)
-    return module.main(rest)
+    program = sys.argv[:1]
+    sys.argv[:1] = [f"marft {command}"]  # argparse's usage line names the subcommand
+    try:
+        return module.run_main(rest) if command == "train" else module.main(rest)
+    finally:
+        sys.argv[:1] = program
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ orchestrator must call that specialist, then end the step::
 * The shipped profile numbers the keepers like the shelves, so a model that can copy the asked shelf's digit
   into its call can learn the rule; the embedded ``marft-tiny-instruct`` copies digits from a problem (its
   arithmetic warm start taught it), which it does not do with words (with red and blue boxes it never learned
-  to route, the README's Workflows section says more). A profile with other names works unchanged: the keepers
+  to route, docs/workflows.md says more). A profile with other names works unchanged: the keepers
   are its first two specialists.
 """
 

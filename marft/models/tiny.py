@@ -23,7 +23,7 @@ and the same training run starts from a different team. Still varying: the versi
 torch, transformers and tokenizers (a different version may build different weights;
 ``marft_recipe.json`` in the model folder records them), and CPUs that are not x86-64
 (no MKL). The RL training itself runs with the machine's own kernels and threads, so
-its figures vary a little from machine to machine (the README says by how much).
+its figures vary a little from machine to machine (compare seeds, not digits).
 
 ``build_random_model`` saves an untrained model of any size in a second, for tests
 and benchmarks.

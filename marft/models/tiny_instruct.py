@@ -14,8 +14,7 @@ that RL has something to improve:
 * ``route_orchestrated``: ``RouteEnv.demonstrations``, the orchestrator's ``<call>Role</call>`` / ``<done/>``
   protocol with routing at random (it knows the tags, not whom to call).
 
-``marft-tiny`` stays the default model, and every figure measured on it stays valid; the orchestration and
-code learning benchmarks run on this one.
+``marft-tiny`` stays the default model; the orchestration and code learning benchmarks run on this one.
 """
 
 from __future__ import annotations
