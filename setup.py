@@ -26,6 +26,10 @@ setup(
         "matplotlib>=3.8",
         "pyyaml>=6.0",
     ],
-    extras_require={"test": ["pytest>=8"], "dev": ["pytest>=8", "ruff==0.17.6", "mkdocs==1.6.1", "mkdocs-material==9.8.2"]},
+    extras_require={
+        "test": ["pytest>=8"],
+        "games": ["pettingzoo==1.27.0"],
+        "dev": ["pytest>=8", "ruff==0.17.6", "mkdocs==1.6.1", "mkdocs-material==9.8.2", "pettingzoo==1.27.0"],
+    },
     entry_points={"console_scripts": ["marft=marft.cli.main:main"]},
 )

@@ -47,6 +47,7 @@ def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_reg
     for block in blocks:
         exec(compile(block, str(GUIDE), "exec"), namespace)  # noqa: S102 - the guide's own code
     assert namespace["rewards"].tolist() == [1.0, 1.0] and namespace["info"]["correct"]
+    assert namespace["returns"] == {"Agent 1": 1.0, "Agent 2": 1.0}  # through PettingZoo's API
     assert Path(namespace["summary"]["run_dir"], "summary.json").is_file()
 
 
