@@ -28,8 +28,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
-        "games": ["pettingzoo==1.27.0"],
-        "dev": ["pytest>=8", "ruff==0.17.6", "mkdocs==1.6.1", "mkdocs-material==9.8.2", "pettingzoo==1.27.0"],
+        "games": ["pettingzoo==1.27.0", "textarena==0.7.4"],
+        "dev": ["pytest>=8", "ruff==0.17.6", "mkdocs==1.6.1", "mkdocs-material==9.8.2", "pettingzoo==1.27.0", "textarena==0.7.4"],
     },
     entry_points={"console_scripts": ["marft=marft.cli.main:main"]},
 )

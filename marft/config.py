@@ -99,7 +99,7 @@ class EnvConfig:
     """The environment the team acts in."""
 
     env_name: str = "math"
-    """Registered environment name (``marft.envs.make``)."""
+    """The environment: a registered name (math, relay_sum, code, route, or one of marft.envs.register), an import path ``package.module:Class`` (its folder on PYTHONPATH), an installed package's ``marft.envs`` entry point, or ``textarena:<game id>`` (a TextArena game, e.g. textarena:TicTacToe-v0, with --profile_path game_player)."""
     dataset_path: Optional[str] = None
     """Training problems, passed to the env: for math a JSON/JSONL file or ``arithmetic`` (the default, generated); for code a DeepCoder-style JSON/JSONL file, ``humaneval`` or ``generated`` (the default). None: the env's own default."""
     eval_dataset_path: Optional[str] = None

@@ -219,7 +219,7 @@ def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: i
                 torch.nn.utils.clip_grad_norm_(team.adapter_parameters(adapter), 1.0)
                 optimizers[adapter].step()
                 optimizers[adapter].zero_grad(set_to_none=True)
-                total += float(loss) * len(mine) / len(batch)
+                total += loss.detach().item() * len(mine) / len(batch)
             for schedule in schedules.values():
                 schedule.step()
             losses.append(total)

@@ -56,9 +56,12 @@ def cell(text: str) -> str:
 
 
 def render() -> str:
+    from marft.sft import SFTConfig
+
     parts = [HEADER]
-    for section, cls in SECTIONS.items():
-        parts.append(f"\n## `{section}`\n\n{' '.join(cls.__doc__.split())}\n")
+    for section, cls in {**SECTIONS, "sft": SFTConfig}.items():
+        only = " These flags are `marft sft`'s (and `scripts/sft.py`'s) only; it takes every flag above too." if section == "sft" else ""
+        parts.append(f"\n## `{section}`\n\n{' '.join(cls.__doc__.split())}{only}\n")
         parts.append("| flag | type | default | description |\n|---|---|---|---|")
         docs, hints = field_docs(cls), get_type_hints(cls)
         for f in dataclasses.fields(cls):

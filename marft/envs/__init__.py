@@ -14,6 +14,7 @@ The shipped environments are registered with gymnasium too (``gymnasium.make("ma
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -65,6 +66,10 @@ def resolve(name: str) -> Callable[..., MultiAgentTextEnv]:
     if name in _REGISTRY:
         entry = _REGISTRY[name]
         return _import(entry, name) if isinstance(entry, str) else entry
+    if name.startswith("textarena:"):  # a TextArena game: textarena:TicTacToe-v0
+        from marft.envs.textarena_env import TextArenaEnv
+
+        return functools.partial(TextArenaEnv, name.split(":", 1)[1])
     if ":" in name:
         return _import(name, name)
     for entry in entry_points(group=ENTRY_POINT_GROUP):

@@ -101,6 +101,7 @@ def agent_view(env: MultiAgentTextEnv, agent: int, private: tuple[str, ...]) -> 
     return np.str_(format_private(private[agent]) + format_conversation(env.episode.history, env.visible_turns(agent)))
 
 
+# long function: the class is defined on first use, so that PettingZoo is imported only then
 @functools.cache
 def _aec_class():
     """:class:`TextAECEnv`'s class, built on first use (PettingZoo is imported only then)."""
@@ -186,6 +187,7 @@ def _aec_class():
     return TextAECEnv
 
 
+# long function: the class is defined on first use, as _aec_class's
 @functools.cache
 def _parallel_class():
     """:class:`TextParallelEnv`'s class, built on first use."""

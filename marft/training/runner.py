@@ -233,7 +233,9 @@ class Runner:
         self.n_iterations = self.config.iterations_after(self.start_iteration, self.env_steps)
         self.last_checkpoint = path
         for name, (old, new) in config_changes(saved_config, self.config).items():
-            if self.dist.is_main:
+            if self.dist.is_main and name == "kl_reference" and old == "auto":
+                logger.info("--kl_reference auto is %r: training starts from a checkpoint", new)
+            elif self.dist.is_main:
                 logger.info("resuming with --%s changed: %r in the checkpoint, %r now", name, old, new)
         same_envs = saved_config.get("env", {}).get("env_name") == self.config.env.env_name
         E = self.envs.n_envs  # this process's share
@@ -241,8 +243,10 @@ class Runner:
             share = slice(self.dist.rank * E, (self.dist.rank + 1) * E)
             self.collector.obs = self.envs.load_state_dict(state["envs"][share])
             self.collector.episode_returns = np.asarray(state["episode_returns"][share], dtype=np.float64)
+        elif "envs" not in state:
+            logger.info("the checkpoint holds no environment states (a warm start): training starts on fresh episodes")
         else:
-            logger.warning("environment states not restored (older checkpoint, or env or thread count changed): fresh episodes")
+            logger.warning("environment states not restored (--env_name or the number of envs changed): fresh episodes")
         # Later TensorBoard events replace those a crashed run logged after this checkpoint.
         self.writer.close()
         self.writer = self._open_writer(purge_step=self.start_iteration + 1)

@@ -1,0 +1,242 @@
+"""TextArena's games as marft environments: ``--env_name textarena:TicTacToe-v0`` (any TextArena env id).
+
+The trained agent plays one seat of a two-player game against a fixed opponent that the environment moves itself:
+``random``, a player of uniformly random legal moves (for games whose observation lists the legal moves, e.g.
+Tic-Tac-Toe's ``Available Moves: '[0]', '[4]'`` or Kuhn Poker's ``available actions are: '[check]', '[bet]'``).
+Seats rotate over tasks (task ``i`` plays seat ``i % 2`` of game seed ``i // 2``), so both seats are trained and
+evaluated, reproducibly by seed. One team step is one move of the agent; the opponent's replies follow inside the
+step. The reward is TextArena's at the end of the game (win 1, draw 0, loss -1), ``correct`` is a win, and the
+step's ``info`` says ``outcome`` (``win`` / ``draw`` / ``loss``), ``seat`` and ``invalid_move`` (the game ended
+on this agent's invalid move, as TextArena rules it).
+
+What the agent sees: the game's rules (its first message) and the messages since its previous move (the
+opponent's move, the board, the legal moves), so the prompt stays short however long the game; the env's state
+is the seed and the moves so far, replayed when needed, so it is pure, checkpointable and exactly resumable.
+
+TextArena is optional: ``pip install "marft[games]"``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
+from marft.envs.profile import AgentSpec, team_profile
+from marft.prompting import format_problem
+
+TEXTARENA_MISSING = 'TextArena is not installed: pip install "marft[games]" (or pip install textarena==0.7.4)'
+PREFIX = "textarena:"
+"""``--env_name textarena:<TextArena env id>`` builds a :class:`TextArenaEnv` of that game."""
+
+OPPONENTS = ("random",)
+DEFAULT_MAX_MOVES = 64
+"""The most moves the agent makes in one game when ``--horizon`` is 1 (the default: the game's own end)."""
+GAME_ID = -1
+LEGAL_MOVES = re.compile(r"'(\[[^\]\n]+\])'")
+OUTCOMES = {1: "win", 0: "draw", -1: "loss"}
+
+
+def _textarena():
+    try:
+        import textarena
+    except ImportError as error:
+        raise ImportError(TEXTARENA_MISSING) from error
+    return textarena
+
+
+def legal_moves(messages: str) -> list[str]:
+    """The legal moves the latest line that lists them names (``'[4]'`` → ``[4]``), or [] if no line does."""
+    for line in reversed(messages.splitlines()):
+        if "available" in line.lower():
+            found = LEGAL_MOVES.findall(line)
+            if found:
+                return found
+    return []
+
+
+@dataclass(frozen=True)
+class GameState(EpisodeState):
+    """An episode of a TextArena game: enough to replay it exactly (``game_seed``, every move so far)."""
+
+    seat: int = 0
+    """The agent's player id in the game."""
+    game_seed: int = 0
+    """TextArena's seed for this game."""
+    moves: tuple[str, ...] = ()
+    """Every move of the game so far, both players', in order."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives a list
+
+
+class Game:
+    """One live TextArena game: its messages to each player as text, and moves by either player."""
+
+    def __init__(self, game_id: str, seed: int):
+        self.env = _textarena().make(game_id)
+        self.env.reset(num_players=2, seed=seed)
+        self.base = self.env
+        while hasattr(self.base, "env"):  # the game itself under TextArena's wrappers (observations come from it)
+            self.base = self.base.env
+        self.rules = {pid: "" for pid in (0, 1)}
+        self.unread = {pid: "" for pid in (0, 1)}
+        self.done, self.result = False, None
+        self._collect()
+
+    def _collect(self) -> None:
+        """Move the game's new messages for every player into ``rules`` (prompts) and ``unread`` (the rest)."""
+        from textarena.core import ObservationType
+
+        state = self.base.state
+        for pid in (0, 1):
+            for sender, message, kind in state.observations.get(pid, []):
+                name = "GAME" if sender == GAME_ID else state.role_mapping.get(sender, f"Player {sender}")
+                if kind == ObservationType.PROMPT:
+                    self.rules[pid] += message.strip() + "\n"
+                else:
+                    self.unread[pid] += f"[{name}] {message.strip()}\n"
+            state.observations[pid] = []
+
+    @property
+    def current_player(self) -> int:
+        return int(self.base.state.current_player_id)
+
+    def move(self, action: str) -> None:
+        """The current player makes ``action``; the game's messages are collected; at the end, its result."""
+        player = self.current_player
+        self.unread[player] = ""  # what it saw before this move has been read
+        self.done, _ = self.env.step(action)
+        self._collect()
+        if self.done:
+            self.result = self.env.close()  # (rewards by player id, game info by player id)
+
+    def view(self, pid: int) -> str:
+        """What player ``pid`` sees now: the rules, then the messages since its previous move."""
+        return (self.rules[pid] + "\n" + self.unread[pid]).strip()
+
+
+class TextArenaEnv(MultiAgentTextEnv):
+    """A TextArena two-player game against a fixed opponent (see the module's docstring).
+
+    Args:
+        game_id: a TextArena env id, e.g. ``TicTacToe-v0``, ``KuhnPoker-v0``.
+        split: ``train`` (game seeds 0, 1, ...) or ``test`` (held-out seeds from 1,000,000 on).
+        profile: the team: exactly one agent (default: one agent named ``Player``).
+        horizon: the most moves the agent makes in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
+        opponent: ``random`` (uniformly random legal moves).
+        n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once from each seat).
+    """
+
+    def __init__(self, game_id: str = "TicTacToe-v0", split: str = "train", profile=None, horizon: int = 1,
+                 opponent: str = "random", n_games: int | None = None, n_agents: int | None = None):
+        _textarena()
+        if opponent not in OPPONENTS:
+            raise ValueError(f"opponent must be one of {', '.join(OPPONENTS)}, got {opponent!r}")
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        self.profile = team_profile(profile or [AgentSpec(role="Player", prompt="", with_answer=True)], n_agents)
+        if len(self.profile) != 1:
+            raise ValueError(f"a TextArena game against a fixed opponent is played by one agent; the profile has "
+                             f"{len(self.profile)} ({[s.role for s in self.profile]}): give a one-agent profile")
+        super().__init__([spec.role for spec in self.profile], horizon=horizon if horizon > 1 else DEFAULT_MAX_MOVES)
+        self.game_id, self.split, self.opponent = game_id, split, opponent
+        self.n_games = n_games or (5000 if split == "train" else 100)
+        self.seed_offset = 0 if split == "train" else 1_000_000
+        self._live: tuple[tuple, Game] | None = None  # the latest game played, keyed by (seed, moves): saves replays
+        Game(game_id, 0)  # an unknown id fails now, in one line
+
+    @property
+    def num_tasks(self) -> int:
+        return 2 * self.n_games
+
+    # ---- the game
+
+    def _game(self, seed: int, moves: tuple[str, ...]) -> Game:
+        """The game after ``moves`` from ``seed``: the live one if it is there, else replayed (the live one is used up)."""
+        if self._live is not None and self._live[0] == (seed, moves):
+            game, self._live = self._live[1], None
+            return game
+        game = Game(self.game_id, seed)
+        for move in moves:
+            game.move(move)
+        return game
+
+    def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...]) -> tuple[str, ...]:
+        """The opponent moves until it is ``seat``'s turn or the game ends; its choices are a function of the game
+        so far (a generator seeded by the game seed and the move count), so transitions stay pure."""
+        while not game.done and game.current_player != seat:
+            options = legal_moves(game.unread[game.current_player])
+            if not options:
+                raise ValueError(f"the random opponent needs the legal moves listed in {self.game_id}'s observation "
+                                 f"(a line with 'available' and moves like '[4]'); none in: {game.unread[game.current_player][-300:]!r}")
+            choice = options[int(np.random.default_rng([seed, len(moves)]).integers(len(options)))]
+            game.move(choice)
+            moves = moves + (choice,)
+        return moves
+
+    def _state(self, state: GameState | None, game: Game, seat: int, seed: int, moves: tuple[str, ...]) -> GameState:
+        self._live = ((seed, moves), game)
+        rules = game.rules[seat].strip()
+        history = format_problem(game.view(seat))
+        if state is None:
+            return GameState(problem=rules, answer="win", history=history, seat=seat, game_seed=seed, moves=moves)
+        return replace(state, history=history, moves=moves)
+
+    # ---- marft's hooks
+
+    def sample_task(self, options: dict | None) -> dict:
+        index = self.choose_task(options)
+        return {"problem": self.game_id, "answer": "win", "seat": index % 2, "game_seed": self.seed_offset + index // 2}
+
+    def initial_state(self, task: dict) -> GameState:
+        seat, seed = int(task["seat"]), int(task["game_seed"])
+        game = Game(self.game_id, seed)
+        return self._state(None, game, seat, seed, self._opponent_moves(game, seat, seed, ()))
+
+    def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
+        raise NotImplementedError("a TextArena game is judged by the game itself, in transition()")
+
+    def transition(self, state: GameState, actions, turns=None) -> GameState:
+        """The agent's move, then the opponent's until the agent is to move again or the game ends."""
+        (move,) = self._check_actions(actions)
+        game = self._game(state.game_seed, state.moves)
+        game.move(move)
+        moves = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (move,))
+        step = state.step + 1
+        if game.done:
+            rewards, info = game.result
+            reward = float(rewards[state.seat])
+            mine = info.get(state.seat, {})
+            outcome_info: dict[str, Any] = {"correct": reward > 0, "outcome": OUTCOMES.get(int(np.sign(reward)), "draw"),
+                                            "seat": state.seat, "invalid_move": bool(mine.get("invalid_move", False)),
+                                            "moves": step}
+            outcome = StepOutcome(rewards=(reward,), solved=True, info=outcome_info)
+        else:
+            outcome = StepOutcome(rewards=(0.0,), solved=False, info={"correct": False, "seat": state.seat})
+        new = self._state(state, game, state.seat, state.game_seed, moves)
+        terminated = game.done or step >= self.horizon
+        return replace(new, step=step, terminated=terminated, truncated=False, outcome=outcome)
+
+    def demonstrations(self, n: int) -> list[dict]:
+        """``n`` one-move transcripts of random legal play (from both seats), in the game's own move format, each
+        prompted exactly as training prompts that move: a warm start towards legal play (``marft sft``)."""
+        transcripts = []
+        while len(transcripts) < n:
+            index = self.choose_task(None)
+            task = self.sample_task({"task_index": index})
+            seat, seed = int(task["seat"]), int(task["game_seed"])
+            game = Game(self.game_id, seed)
+            moves = self._opponent_moves(game, seat, seed, ())
+            while not game.done and len(transcripts) < n:
+                options = legal_moves(game.unread[seat])
+                if not options:
+                    break
+                move = options[int(self.np_random.integers(len(options)))]
+                transcripts.append({"problem": game.view(seat), "turns": [{"role": self.roles[0], "text": move}], "task": index})
+                game.move(move)
+                moves = self._opponent_moves(game, seat, seed, moves + (move,))
+        return transcripts

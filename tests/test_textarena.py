@@ -1,0 +1,156 @@
+"""TextArena's games as marft environments: ``textarena:<id>`` resolves, the random opponent plays legal moves,
+seats rotate over tasks, the game decides wins, draws, losses and invalid moves, the state replays exactly (pure
+transitions, checkpoints), and the warm-start demonstrations are prompted exactly as training prompts a move."""
+
+import collections
+import json
+import re
+import sys
+
+import pytest
+
+pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
+
+from marft.envs import make, resolve  # noqa: E402
+from marft.envs.textarena_env import TEXTARENA_MISSING, GameState, TextArenaEnv, legal_moves  # noqa: E402
+
+TTT = "textarena:TicTacToe-v0"
+
+
+def play(env, policy, task_index):
+    """One game from task ``task_index``; ``policy(obs, step) -> move``; the last step's info."""
+    obs, info = env.reset(options={"task_index": task_index})
+    done = False
+    while not done:
+        obs, rewards, terminated, truncated, info = env.step((policy(obs, env.episode.step),))
+        done = terminated or truncated
+    return info, float(rewards[0])
+
+
+def first_legal(obs, step):
+    return legal_moves(obs)[0]
+
+
+def test_textarena_names_resolve_to_the_game():
+    env = make(TTT, split="test", profile="game_player")
+    assert isinstance(env, TextArenaEnv) and env.game_id == "TicTacToe-v0" and env.roles == ("Player",)
+    assert resolve(TTT).func is TextArenaEnv
+    with pytest.raises(Exception, match="NoSuchGame"):
+        make("textarena:NoSuchGame-v0", profile="game_player")
+
+
+def test_a_team_of_two_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="one agent.*one-agent profile"):
+        make(TTT, profile="reasoner_actor")
+
+
+def test_seats_rotate_over_tasks_and_the_game_decides_the_outcome():
+    env = make(TTT, split="test", profile="game_player")
+    seen = collections.Counter()
+    for index in range(40):
+        info, reward = play(env, first_legal, index)
+        assert info["seat"] == index % 2
+        assert info["outcome"] == {1.0: "win", 0.0: "draw", -1.0: "loss"}[reward]
+        assert info["correct"] == (reward > 0) and not info["invalid_move"]
+        seen[info["seat"], info["outcome"]] += 1
+    assert {seat for seat, _ in seen} == {0, 1} and len({outcome for _, outcome in seen}) >= 2
+
+
+def test_an_invalid_move_ends_the_game_as_textarena_rules_it():
+    env = make(TTT, split="test", profile="game_player")
+    info, reward = play(env, lambda obs, step: "[0]", 0)  # the same cell again and again
+    assert info["invalid_move"] and info["outcome"] == "loss" and reward == -1.0
+
+
+def test_the_random_opponent_plays_legal_moves_and_is_a_function_of_the_game():
+    """Two envs, the same task and the same agent moves: the same opponent moves (pure transitions)."""
+    a, b = (make(TTT, split="train", profile="game_player") for _ in range(2))
+    for env in (a, b):
+        play(env, first_legal, 7)
+    assert a.episode.moves == b.episode.moves
+    cells = [int(m.strip("[]")) for m in a.episode.moves]
+    assert len(cells) == len(set(cells)), "every move, the opponent's included, went to a free cell"
+
+
+def test_held_out_games_differ_from_training_games():
+    train, test = make(TTT, split="train", profile="game_player"), make(TTT, split="test", profile="game_player")
+    assert {train.sample_task({"task_index": i})["game_seed"] for i in range(200)}.isdisjoint(
+        {test.sample_task({"task_index": i})["game_seed"] for i in range(200)})
+
+
+def test_a_checkpointed_game_continues_exactly():
+    env = make(TTT, split="test", profile="game_player")
+    env.reset(options={"task_index": 3})
+    env.step((legal_moves(env.episode.history)[0],))
+    saved = json.loads(json.dumps(env.state_dict()))
+    resumed = make(TTT, split="test", profile="game_player")
+    resumed.reset(options={"task_index": 0})
+    resumed.load_state_dict(saved)
+    assert isinstance(resumed.episode, GameState) and resumed.episode == env.episode
+    move = (legal_moves(env.episode.history)[-1],)
+    assert resumed.step(move)[0] == env.step(move)[0]
+    assert resumed.episode == env.episode
+
+
+def test_transition_is_pure():
+    env = make(TTT, split="test", profile="game_player")
+    env.reset(options={"task_index": 2})
+    state = env.episode
+    move = (legal_moves(state.history)[0],)
+    first, second = env.transition(state, move), env.transition(state, move)
+    assert first == second and env.episode == state
+
+
+def test_demonstrations_are_prompted_as_training_prompts_a_move():
+    env = make(TTT, split="train", profile="game_player")
+    env.reset(seed=0)
+    demos = env.demonstrations(30)
+    assert len(demos) == 30
+    for demo in demos:
+        (turn,) = demo["turns"]
+        assert turn["role"] == "Player" and re.fullmatch(r"\[\d\]", turn["text"])
+        assert turn["text"] in legal_moves(demo["problem"])
+    from marft.prompting import format_problem
+
+    openings = [d for d in demos if d is demos[0] or d["task"] != demos[demos.index(d) - 1]["task"]]  # each game's first move
+    assert len(openings) >= 3
+    for demo in openings:
+        obs, _ = env.reset(options={"task_index": demo["task"]})
+        assert obs == format_problem(demo["problem"])  # the prompt of that move in training, exactly
+
+
+def test_kuhn_poker_plays_against_the_random_opponent():
+    env = make("textarena:KuhnPoker-v0", split="test", profile="game_player")
+    outcomes = collections.Counter(play(env, first_legal, i)[0]["outcome"] for i in range(20))
+    assert sum(outcomes.values()) == 20 and not env.reward_failures
+
+
+def test_a_game_without_listed_moves_is_refused_for_the_random_opponent():
+    env = make("textarena:Nim-v0", split="test", profile="game_player")
+    with pytest.raises(ValueError, match="legal moves listed"):
+        env.reset(options={"task_index": 1})  # seat 1: the opponent moves first
+        env.step(("[0 1]",))
+
+
+def test_without_textarena_the_error_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "textarena", None)
+    with pytest.raises(ImportError, match=re.escape(TEXTARENA_MISSING)):
+        TextArenaEnv("TicTacToe-v0", profile="game_player")
+
+
+@pytest.mark.slow
+def test_training_on_a_game_resumes_mid_game_exactly(random_model_dir, tmp_path):
+    """Games longer than a rollout, stopped and resumed: the same weights, env states and logs as one go."""
+    from test_checkpoint import check_resume_is_exact
+
+    check_resume_is_exact(random_model_dir, tmp_path, ("--env_name", TTT, "--profile_path", "game_player", "--context_window", "192"))
+
+
+def test_the_games_page_example_runs():
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "games.md"
+    [block] = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    namespace: dict = {}
+    exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - the docs' own code
+    assert namespace["game"].agent_selection == "Orchestrator"
