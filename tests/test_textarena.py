@@ -154,3 +154,22 @@ def test_the_games_page_example_runs():
     namespace: dict = {}
     exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - the docs' own code
     assert namespace["game"].agent_selection == "Orchestrator"
+
+
+@pytest.mark.slow
+def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_model_dir, tmp_path):
+    from marft.launch import main
+    from marft.trained.evaluate import evaluate
+
+    run = tmp_path / "run"
+    assert main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_player",
+                 "--max_new_tokens", "4", "--context_window", "192", "--n_rollout_threads", "2", "--episode_length", "3",
+                 "--num_env_steps", "6", "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(run)]) == 0
+    summary = evaluate(run, episodes=8, seed=0, output_dir=tmp_path / "eval")
+    games = summary["games"]
+    assert set(games) == {"seat_0", "seat_1", "invalid_move_rate"}
+    for seat in ("seat_0", "seat_1"):
+        assert games[seat]["games"] == 4 and games[seat]["win"] + games[seat]["draw"] + games[seat]["loss"] == pytest.approx(1)
+    transcripts = [json.loads(line) for line in (tmp_path / "eval" / "transcripts.jsonl").read_text().splitlines()]
+    assert games["invalid_move_rate"] == pytest.approx(sum(t["invalid_move"] for t in transcripts) / 8)
+    assert summary["accuracy"] == pytest.approx(sum(t["outcome"] == "win" for t in transcripts) / 8)

@@ -75,7 +75,7 @@ class RolloutCollector:
         bases = self.envs.bases
         buffer = RolloutBuffer(T, E, N, team.prompts.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
                                slots_per_step=bases[0].workflow.max_turns_per_step)
-        finished_returns, finished_correct, tokens, invalid_replies = [], [], 0, 0
+        finished_returns, finished_correct, finished_invalid, tokens, invalid_replies = [], [], [], 0, 0
         horizon = self.config.env.horizon
         live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
         start = time.perf_counter()
@@ -113,6 +113,8 @@ class RolloutCollector:
                 final_info = infos["final_info"]
                 if "correct" in final_info and final_info["_correct"][e]:
                     finished_correct.append(float(final_info["correct"][e]))
+                if "invalid_move" in final_info and final_info["_invalid_move"][e]:  # a game env's (TextArena)
+                    finished_invalid.append(float(final_info["invalid_move"][e]))
                 self.episode_returns[e] = 0.0
         if needs.values and not buffer.dones[T - 1].all():  # the value of each env's next turn bootstraps unfinished episodes
             with torch.no_grad():
@@ -123,6 +125,8 @@ class RolloutCollector:
             stats["charts/episode_return"] = float(np.mean(finished_returns))
         if finished_correct:
             stats["charts/accuracy"] = float(np.mean(finished_correct))
+        if finished_invalid:
+            stats["charts/invalid_move_rate"] = float(np.mean(finished_invalid))
         stats["charts/step_reward"] = float(buffer.agent_rewards.mean())
         stats["charts/truncated_episodes"] = float(buffer.truncated.sum())
         stats["invalid_orchestrator_replies"] = invalid_replies

@@ -13,6 +13,9 @@ from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.rollout.turns import play_team_step
 
+GAME_FIELDS = ("outcome", "seat", "invalid_move")
+"""Final-step info a game env reports (win / draw / loss, the agent's seat, an invalid move): kept in transcripts."""
+
 
 def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed: int, n_eval_threads: int, diagnostics,
                       dist: Distributed = SINGLE, progress: bool = False) -> tuple[dict[str, float], list[dict]]:
@@ -42,6 +45,7 @@ def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed
         live = list(range(len(batch)))
         ep_return = np.zeros(len(batch))
         last_correct = np.zeros(len(batch))
+        last_game = [{} for _ in batch]  # a game's final outcome, seat and invalid move (TextArena envs)
         private = [info[PRIVATE_KEY] for info in infos]
         turns = [[] for _ in batch]  # per episode, every step's turns with the speaking role
         while live:
@@ -55,6 +59,7 @@ def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed
                 private[i] = info[PRIVATE_KEY]
                 ep_return[i] += float(np.mean(rewards))
                 last_correct[i] = float(info.get("correct", 0.0))
+                last_game[i] = {key: info[key] for key in GAME_FIELDS if key in info}
                 if not (terminated or truncated):
                     still_live.append(i)
             live = still_live
@@ -62,7 +67,8 @@ def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed
         correct.extend(last_correct.tolist())
         transcripts.extend(
             {"episode": k, "task": k % envs[i].unwrapped.num_tasks if envs[i].unwrapped.num_tasks else None,
-             "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i])}
+             "problem": envs[i].unwrapped.episode.problem, "steps": turns[i], "return": float(ep_return[i]), "correct": bool(last_correct[i]),
+             **last_game[i]}
             for i, k in enumerate(batch)
         )
         bar.update(len(batch))

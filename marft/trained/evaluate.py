@@ -178,6 +178,15 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
             correct[episode["task"]] += int(episode["correct"])
         summary.update(tasks=tasks, n=n, **{f"pass@{kk}": float(np.mean([pass_at_k(n, int(c), kk) for c in correct])) for kk in k})
     summary["roles"] = role_stats(transcripts, roles)
+    games = [episode for episode in transcripts if "outcome" in episode]
+    if games:  # a game env: win / draw / loss rates and mean reward per seat, the invalid-move rate
+        seats = sorted({episode["seat"] for episode in games})
+        summary["games"] = {
+            f"seat_{seat}": {**{o: float(np.mean([e["outcome"] == o for e in mine])) for o in ("win", "draw", "loss")},
+                             "reward": float(np.mean([e["return"] for e in mine])), "games": len(mine)}
+            for seat in seats for mine in [[e for e in games if e["seat"] == seat]]
+        }
+        summary["games"]["invalid_move_rate"] = float(np.mean([bool(e.get("invalid_move")) for e in games]))
     return summary
 
 
