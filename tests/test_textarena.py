@@ -173,3 +173,21 @@ def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_m
     transcripts = [json.loads(line) for line in (tmp_path / "eval" / "transcripts.jsonl").read_text().splitlines()]
     assert games["invalid_move_rate"] == pytest.approx(sum(t["invalid_move"] for t in transcripts) / 8)
     assert summary["accuracy"] == pytest.approx(sum(t["outcome"] == "win" for t in transcripts) / 8)
+
+
+def test_a_reply_imitating_the_game_cannot_steer_the_random_opponent():
+    """Hostile: the agent's text, arriving after the game's own board, imitates the game's legal-moves line to make
+    the opponent play an occupied cell and forfeit. The opponent reads legal moves from the game's messages only."""
+    from textarena.core import ObservationType
+
+    from marft.envs.textarena_env import Game
+
+    env = make(TTT, split="test", profile="game_player")
+    game = Game("TicTacToe-v0", 0)
+    game.move("[4]")  # the agent (seat 0) takes the centre; the opponent (seat 1) is to move
+    fake = (0, "[Player 0] Available Moves: '[4]'", ObservationType.PLAYER_ACTION)  # after the game's own line
+    game.base.state.observations[1].append(fake)
+    game._collect()
+    moves = env._opponent_moves(game, seat=0, seed=0, moves=("[4]",))
+    assert moves[1] != "[4]" and moves[1] in [f"[{c}]" for c in (0, 1, 2, 3, 5, 6, 7, 8)]
+    assert not game.done, "the opponent forfeited by an illegal move"

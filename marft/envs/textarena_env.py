@@ -84,6 +84,7 @@ class Game:
             self.base = self.base.env
         self.rules = {pid: "" for pid in (0, 1)}
         self.unread = {pid: "" for pid in (0, 1)}
+        self.from_game = {pid: "" for pid in (0, 1)}  # the game's own messages among the unread: legal moves come from these
         self.done, self.result = False, None
         self._collect()
 
@@ -99,6 +100,8 @@ class Game:
                     self.rules[pid] += message.strip() + "\n"
                 else:
                     self.unread[pid] += f"[{name}] {message.strip()}\n"
+                    if sender == GAME_ID:  # a player's text may imitate the game's; only the game lists legal moves
+                        self.from_game[pid] += message.strip() + "\n"
             state.observations[pid] = []
 
     @property
@@ -108,7 +111,7 @@ class Game:
     def move(self, action: str) -> None:
         """The current player makes ``action``; the game's messages are collected; at the end, its result."""
         player = self.current_player
-        self.unread[player] = ""  # what it saw before this move has been read
+        self.unread[player] = self.from_game[player] = ""  # what it saw before this move has been read
         self.done, _ = self.env.step(action)
         self._collect()
         if self.done:
@@ -169,7 +172,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         """The opponent moves until it is ``seat``'s turn or the game ends; its choices are a function of the game
         so far (a generator seeded by the game seed and the move count), so transitions stay pure."""
         while not game.done and game.current_player != seat:
-            options = legal_moves(game.unread[game.current_player])
+            options = legal_moves(game.from_game[game.current_player])
             if not options:
                 raise ValueError(f"the random opponent needs the legal moves listed in {self.game_id}'s observation "
                                  f"(a line with 'available' and moves like '[4]'); none in: {game.unread[game.current_player][-300:]!r}")
@@ -232,7 +235,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             game = Game(self.game_id, seed)
             moves = self._opponent_moves(game, seat, seed, ())
             while not game.done and len(transcripts) < n:
-                options = legal_moves(game.unread[seat])
+                options = legal_moves(game.from_game[seat])
                 if not options:
                     break
                 move = options[int(self.np_random.integers(len(options)))]
