@@ -95,9 +95,27 @@ def validate(config: TrainConfig):
             f"--algorithm_name {config.algo.algorithm_name} resets each group of envs on one task, by reset(options={{'task_index': i}}); "
             f"--env_name {config.env.env_name} sets no num_tasks (see docs/environments.md, 'Tasks by index')"
         )
+    check_competitive(config, make_train_env().unwrapped)
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
+
+
+def check_competitive(config: TrainConfig, env) -> None:
+    """A competitive env (self-play: each agent paid its own side of a zero-sum game) trains only with each agent's
+    own reward: GRPO with ``--credit_assignment per_step``. A critic of the team reward (the agents' mean: 0 in a
+    zero-sum game) or any other credit mode would teach the agents nothing, or against their own interest.
+
+    Raises:
+        ValueError: another trainer or credit mode, naming the flags that work."""
+    from marft.algorithms import trainer_class
+
+    if not getattr(env, "competitive", False):
+        return
+    if not (trainer_class(config.algo.algorithm_name).group_relative and config.algo.credit_assignment == "per_step"):
+        raise ValueError(f"--env_name {config.env.env_name} with a {len(env.roles)}-agent profile is self-play (each agent is "
+                         "paid its own side of the game): train it with --algorithm_name GRPO --credit_assignment per_step "
+                         f"(not {config.algo.algorithm_name} with --credit_assignment {config.algo.credit_assignment})")
 
 
 def check_fresh_run_dir(config: TrainConfig) -> None:

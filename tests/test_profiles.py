@@ -14,7 +14,7 @@ from marft.envs.profile import (
 
 NAMED = ["reasoner_actor", "planner_solver", "planner_solver_verifier", "planner_solver_reflector_verifier",
          "reasoner_actor_code", "planner_coder", "planner_coder_debugger", "planner_coder_reviewer_debugger",
-         "planner_solver_verifier_orchestrated", "solvers_verifier_graph", "route_orchestrated", "game_player"]
+         "planner_solver_verifier_orchestrated", "solvers_verifier_graph", "route_orchestrated", "game_player", "game_seats"]
 
 
 def write(tmp_path, entries, name="p.json"):

@@ -1,6 +1,7 @@
 """TextArena's games as marft environments: ``--env_name textarena:TicTacToe-v0`` (any TextArena env id).
 
-The trained agent plays one seat of a two-player game against a fixed opponent that the environment moves itself:
+A two-agent profile is self-play (one agent per seat, each paid its own seat's reward; see :class:`TextArenaEnv`).
+A one-agent profile plays one seat of a two-player game against a fixed opponent that the environment moves itself:
 ``random``, a player of uniformly random legal moves (for games whose observation lists the legal moves, e.g.
 Tic-Tac-Toe's ``Available Moves: '[0]', '[4]'`` or Kuhn Poker's ``available actions are: '[check]', '[bet]'``).
 Seats rotate over tasks (task ``i`` plays seat ``i % 2`` of game seed ``i // 2``), so both seats are trained and
@@ -26,6 +27,7 @@ import numpy as np
 
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.profile import AgentSpec, team_profile
+from marft.envs.workflows import StepTurns, Workflow
 from marft.prompting import format_problem
 
 TEXTARENA_MISSING = 'TextArena is not installed: pip install "marft[games]" (or pip install textarena==0.7.4)'
@@ -63,14 +65,19 @@ class GameState(EpisodeState):
     """An episode of a TextArena game: enough to replay it exactly (``game_seed``, every move so far)."""
 
     seat: int = 0
-    """The agent's player id in the game."""
+    """Agent 0's player id in the game (agent ``a`` plays seat ``(a + seat) % 2``)."""
     game_seed: int = 0
     """TextArena's seed for this game."""
     moves: tuple[str, ...] = ()
     """Every move of the game so far, both players', in order."""
+    to_move: int = 0
+    """The player id to move now (-1: the game is over)."""
+    views: tuple[str, ...] = ()
+    """Self-play: each agent's view of the game now (its seat's messages); empty against a fixed opponent."""
 
     def __post_init__(self):
-        object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives a list
+        object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives lists
+        object.__setattr__(self, "views", tuple(self.views))
 
 
 class Game:
@@ -122,16 +129,40 @@ class Game:
         return (self.rules[pid] + "\n" + self.unread[pid]).strip()
 
 
+class MoveWorkflow(Workflow):
+    """Self-play: one team step is one move, by the agent whose seat the game says is to move (the env sets
+    ``turns.due`` at the start of every step; the profile's own workflow does not apply)."""
+
+    name = "game"
+    max_turns_per_step = 1
+
+    @property
+    def first_speaker(self) -> int:
+        return 0  # who moves first depends on the game and the seats; critics, which would ask, are refused
+
+    def start(self) -> StepTurns:
+        return StepTurns()
+
+    def take(self, turns: StepTurns, agent: int, reply: str) -> None:
+        self._check(turns, agent)
+        turns.entries.append((agent, reply))
+        turns.due = []
+
+
 class TextArenaEnv(MultiAgentTextEnv):
-    """A TextArena two-player game against a fixed opponent (see the module's docstring).
+    """A TextArena two-player game (see the module's docstring).
+
+    A one-agent profile plays against a fixed opponent (``opponent``) that the env moves itself. A two-agent profile
+    is self-play: one agent (its own adapter) per seat, each paid its own seat's reward; one team step is one move,
+    by the agent whose seat is to move. In both, agent ``a`` plays seat ``(a + task) % 2`` of task ``task``'s game.
 
     Args:
         game_id: a TextArena env id, e.g. ``TicTacToe-v0``, ``KuhnPoker-v0``.
         split: ``train`` (game seeds 0, 1, ...) or ``test`` (held-out seeds from 1,000,000 on).
-        profile: the team: exactly one agent (default: one agent named ``Player``).
-        horizon: the most moves the agent makes in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
-        opponent: ``random`` (uniformly random legal moves).
-        n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once from each seat).
+        profile: one agent (default: ``Player``) against the opponent, or two agents for self-play.
+        horizon: the most team steps (moves of the team) in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
+        opponent: ``random`` (uniformly random legal moves): the fixed opponent of a one-agent team.
+        n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once with each seating).
     """
 
     def __init__(self, game_id: str = "TicTacToe-v0", split: str = "train", profile=None, horizon: int = 1,
@@ -142,10 +173,16 @@ class TextArenaEnv(MultiAgentTextEnv):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         self.profile = team_profile(profile or [AgentSpec(role="Player", prompt="", with_answer=True)], n_agents)
-        if len(self.profile) != 1:
-            raise ValueError(f"a TextArena game against a fixed opponent is played by one agent; the profile has "
-                             f"{len(self.profile)} ({[s.role for s in self.profile]}): give a one-agent profile")
+        if len(self.profile) not in (1, 2):
+            raise ValueError(f"a two-player TextArena game is played by one agent (against a fixed opponent) or two "
+                             f"(self-play); the profile has {len(self.profile)}: {[s.role for s in self.profile]}")
         super().__init__([spec.role for spec in self.profile], horizon=horizon if horizon > 1 else DEFAULT_MAX_MOVES)
+        self.self_play = self.n_agents == 2
+        self.competitive = self.self_play
+        """Each agent is paid its own seat's reward in a zero-sum game (the launcher refuses a team-reward critic)."""
+        if self.self_play:
+            self.workflow = MoveWorkflow(self.roles, answer_agents=(0, 1))
+            self.turns = self.workflow.start()
         self.game_id, self.split, self.opponent = game_id, split, opponent
         self.n_games = n_games or (5000 if split == "train" else 100)
         self.seed_offset = 0 if split == "train" else 1_000_000
@@ -155,6 +192,49 @@ class TextArenaEnv(MultiAgentTextEnv):
     @property
     def num_tasks(self) -> int:
         return 2 * self.n_games
+
+    # ---- seats and turns
+
+    def seat_of(self, agent: int, state: GameState) -> int:
+        return (agent + state.seat) % 2
+
+    def agent_of(self, seat: int, state: GameState) -> int:
+        return (seat - state.seat) % 2
+
+    def _turns(self) -> StepTurns:
+        """A fresh team step; in self-play, due: the agent whose seat is to move."""
+        turns = self.workflow.start()
+        if self.self_play and self.episode is not None and not self.episode.done:
+            turns.due = [self.agent_of(self.episode.to_move, self.episode)]
+        return turns
+
+    def set_workflow(self, workflow: Workflow) -> None:
+        """Self-play keeps its own workflow (the game decides who moves); a one-agent team plays the profile's."""
+        if not self.self_play:
+            return super().set_workflow(workflow)
+        if tuple(workflow.roles) != self.roles:
+            raise ValueError(f"the workflow's roles {list(workflow.roles)} are not the env's {list(self.roles)}")
+        self.turns = self._turns()
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        result = super().reset(seed=seed, options=options)
+        self.turns = self._turns()
+        return result
+
+    def step(self, actions):
+        result = super().step(actions)
+        self.turns = self._turns()
+        return result
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.turns = self._turns()
+
+    def private_observations(self) -> list[str]:
+        """Self-play: each agent's own view of the game (its seat's messages); a one-agent team's view is its history."""
+        if self.self_play and self.episode is not None:
+            return list(self.episode.views)
+        return [""] * self.n_agents
 
     # ---- the game
 
@@ -169,9 +249,9 @@ class TextArenaEnv(MultiAgentTextEnv):
         return game
 
     def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...]) -> tuple[str, ...]:
-        """The opponent moves until it is ``seat``'s turn or the game ends; its choices are a function of the game
-        so far (a generator seeded by the game seed and the move count), so transitions stay pure."""
-        while not game.done and game.current_player != seat:
+        """The fixed opponent moves until it is ``seat``'s turn or the game ends (never in self-play); its choices
+        are a function of the game so far (a generator seeded by the game seed and the move count): pure transitions."""
+        while not self.self_play and not game.done and game.current_player != seat:
             options = legal_moves(game.from_game[game.current_player])
             if not options:
                 raise ValueError(f"the random opponent needs the legal moves listed in {self.game_id}'s observation "
@@ -182,12 +262,18 @@ class TextArenaEnv(MultiAgentTextEnv):
         return moves
 
     def _state(self, state: GameState | None, game: Game, seat: int, seed: int, moves: tuple[str, ...]) -> GameState:
+        """The episode state after ``moves``; ``game`` is kept live for the next transition."""
         self._live = ((seed, moves), game)
-        rules = game.rules[seat].strip()
-        history = format_problem(game.view(seat))
+        to_move = -1 if game.done else game.current_player
+        if self.self_play:
+            views = tuple(game.view((agent + seat) % 2) for agent in range(2))
+            history = format_problem(self.game_id)
+        else:
+            views, history = (), format_problem(game.view(seat))
         if state is None:
-            return GameState(problem=rules, answer="win", history=history, seat=seat, game_seed=seed, moves=moves)
-        return replace(state, history=history, moves=moves)
+            return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
+                             moves=moves, to_move=to_move, views=views)
+        return replace(state, history=history, moves=moves, to_move=to_move, views=views)
 
     # ---- marft's hooks
 
@@ -204,25 +290,29 @@ class TextArenaEnv(MultiAgentTextEnv):
         raise NotImplementedError("a TextArena game is judged by the game itself, in transition()")
 
     def transition(self, state: GameState, actions, turns=None) -> GameState:
-        """The agent's move, then the opponent's until the agent is to move again or the game ends."""
-        (move,) = self._check_actions(actions)
+        """The move of the agent to move; against a fixed opponent, the opponent's until the agent moves again."""
+        actions = self._check_actions(actions)
         game = self._game(state.game_seed, state.moves)
-        game.move(move)
-        moves = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (move,))
+        mover = self.agent_of(game.current_player, state) if self.self_play else 0
+        game.move(actions[mover])
+        moves = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],))
         step = state.step + 1
-        if game.done:
-            rewards, info = game.result
-            reward = float(rewards[state.seat])
-            mine = info.get(state.seat, {})
-            outcome_info: dict[str, Any] = {"correct": reward > 0, "outcome": OUTCOMES.get(int(np.sign(reward)), "draw"),
-                                            "seat": state.seat, "invalid_move": bool(mine.get("invalid_move", False)),
-                                            "moves": step}
-            outcome = StepOutcome(rewards=(reward,), solved=True, info=outcome_info)
-        else:
-            outcome = StepOutcome(rewards=(0.0,), solved=False, info={"correct": False, "seat": state.seat})
+        outcome = self._outcome(game, state, mover)
         new = self._state(state, game, state.seat, state.game_seed, moves)
-        terminated = game.done or step >= self.horizon
-        return replace(new, step=step, terminated=terminated, truncated=False, outcome=outcome)
+        return replace(new, step=step, terminated=game.done or step >= self.horizon, truncated=False, outcome=outcome)
+
+    def _outcome(self, game: Game, state: GameState, mover: int) -> StepOutcome:
+        """Every agent's reward (its seat's; 0 until the game ends) and, at the end, agent 0's outcome."""
+        if not game.done:
+            return StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info={"correct": False, "seat": state.seat})
+        by_seat, game_info = game.result
+        rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
+        invalid = [a for a in range(self.n_agents) if game_info.get(self.seat_of(a, state), {}).get("invalid_move")]
+        info: dict[str, Any] = {"correct": rewards[0] > 0, "outcome": OUTCOMES[int(np.sign(rewards[0]))], "seat": state.seat,
+                                "invalid_move": bool(invalid), "moves": len(state.moves) + 1}
+        if self.self_play:
+            info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
+        return StepOutcome(rewards=rewards, solved=True, info=info)
 
     def demonstrations(self, n: int) -> list[dict]:
         """``n`` one-move transcripts of random legal play (from both seats), in the game's own move format, each
@@ -230,16 +320,26 @@ class TextArenaEnv(MultiAgentTextEnv):
         transcripts = []
         while len(transcripts) < n:
             index = self.choose_task(None)
-            task = self.sample_task({"task_index": index})
-            seat, seed = int(task["seat"]), int(task["game_seed"])
-            game = Game(self.game_id, seed)
-            moves = self._opponent_moves(game, seat, seed, ())
-            while not game.done and len(transcripts) < n:
-                options = legal_moves(game.from_game[seat])
+            self.reset(options={"task_index": index})
+            while not self.episode.done and len(transcripts) < n:
+                mover = self.turns.due[0] if self.self_play else 0
+                view = self.episode.views[mover] if self.self_play else self.episode.history[len("Problem: "):].rstrip("\n")
+                game = self._game(self.episode.game_seed, self.episode.moves)
+                options = legal_moves(game.from_game[self.seat_of(mover, self.episode) if self.self_play else self.episode.seat])
+                self._live = ((self.episode.game_seed, self.episode.moves), game)
                 if not options:
                     break
                 move = options[int(self.np_random.integers(len(options)))]
-                transcripts.append({"problem": game.view(seat), "turns": [{"role": self.roles[0], "text": move}], "task": index})
-                game.move(move)
-                moves = self._opponent_moves(game, seat, seed, moves + (move,))
+                row = {"problem": self.episode.problem if not self.self_play else self.game_id, "task": index,
+                       "turns": [{"role": self.roles[mover], "text": move}]}
+                if self.self_play:
+                    row["private"] = {self.roles[mover]: view}
+                else:
+                    row["problem"] = view
+                transcripts.append(row)
+                actions = tuple(move if a == mover else "" for a in range(self.n_agents))
+                if self.self_play:
+                    self.take_turn(mover, move)
+                    actions = self.turn_actions()
+                self.step(actions)
         return transcripts
