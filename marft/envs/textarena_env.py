@@ -74,10 +74,13 @@ class GameState(EpisodeState):
     """The player id to move now (-1: the game is over)."""
     views: tuple[str, ...] = ()
     """Self-play: each agent's view of the game now (its seat's messages); empty against a fixed opponent."""
+    legal: tuple[str, ...] = ()
+    """The legal moves the game lists for the player to move (empty: the game lists none, or it is over)."""
 
     def __post_init__(self):
         object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives lists
         object.__setattr__(self, "views", tuple(self.views))
+        object.__setattr__(self, "legal", tuple(self.legal))
 
 
 class Game:
@@ -265,6 +268,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         """The episode state after ``moves``; ``game`` is kept live for the next transition."""
         self._live = ((seed, moves), game)
         to_move = -1 if game.done else game.current_player
+        legal = () if game.done else tuple(legal_moves(game.from_game[to_move]))
         if self.self_play:
             views = tuple(game.view((agent + seat) % 2) for agent in range(2))
             history = format_problem(self.game_id)
@@ -272,8 +276,8 @@ class TextArenaEnv(MultiAgentTextEnv):
             views, history = (), format_problem(game.view(seat))
         if state is None:
             return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
-                             moves=moves, to_move=to_move, views=views)
-        return replace(state, history=history, moves=moves, to_move=to_move, views=views)
+                             moves=moves, to_move=to_move, views=views, legal=legal)
+        return replace(state, history=history, moves=moves, to_move=to_move, views=views, legal=legal)
 
     # ---- marft's hooks
 
@@ -315,31 +319,20 @@ class TextArenaEnv(MultiAgentTextEnv):
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
     def demonstrations(self, n: int) -> list[dict]:
-        """``n`` one-move transcripts of random legal play (from both seats), in the game's own move format, each
-        prompted exactly as training prompts that move: a warm start towards legal play (``marft sft``)."""
+        """``n`` one-move transcripts of random legal play (both seats), in the game's own move format, each prompted
+        exactly as training prompts that move (played through this env): a warm start towards legal play."""
         transcripts = []
         while len(transcripts) < n:
             index = self.choose_task(None)
             self.reset(options={"task_index": index})
-            while not self.episode.done and len(transcripts) < n:
-                mover = self.turns.due[0] if self.self_play else 0
-                view = self.episode.views[mover] if self.self_play else self.episode.history[len("Problem: "):].rstrip("\n")
-                game = self._game(self.episode.game_seed, self.episode.moves)
-                options = legal_moves(game.from_game[self.seat_of(mover, self.episode) if self.self_play else self.episode.seat])
-                self._live = ((self.episode.game_seed, self.episode.moves), game)
-                if not options:
-                    break
-                move = options[int(self.np_random.integers(len(options)))]
-                row = {"problem": self.episode.problem if not self.self_play else self.game_id, "task": index,
-                       "turns": [{"role": self.roles[mover], "text": move}]}
-                if self.self_play:
-                    row["private"] = {self.roles[mover]: view}
-                else:
-                    row["problem"] = view
-                transcripts.append(row)
-                actions = tuple(move if a == mover else "" for a in range(self.n_agents))
-                if self.self_play:
-                    self.take_turn(mover, move)
-                    actions = self.turn_actions()
-                self.step(actions)
+            while not self.episode.done and self.episode.legal and len(transcripts) < n:
+                mover = self.turns.due[0]
+                move = self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]
+                if self.self_play:  # the mover's view is its private observation; the history names the game
+                    row = {"problem": self.game_id, "private": {self.roles[mover]: self.episode.views[mover]}}
+                else:  # the view is the history (format_problem(view))
+                    row = {"problem": self.episode.history.removeprefix("Problem: ").rstrip("\n")}
+                transcripts.append({**row, "turns": [{"role": self.roles[mover], "text": move}], "task": index})
+                self.take_turn(mover, move)
+                self.step(self.turn_actions())
         return transcripts
