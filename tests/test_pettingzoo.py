@@ -127,3 +127,15 @@ def test_without_pettingzoo_the_error_says_how_to_install_it(monkeypatch):
             aec_env("relay_sum")
     finally:
         module._aec_class.cache_clear()
+
+
+def test_a_live_agents_action_must_be_a_reply_and_an_ended_game_says_reset():
+    env = aec_env("relay_sum", split="test")
+    env.reset(seed=0)
+    with pytest.raises(TypeError, match="must be its reply"):
+        env.step(None)
+    for agent in env.agent_iter():
+        _, _, terminated, truncated, _ = env.last()
+        env.step(None if terminated or truncated else "\\boxed{1}")
+    with pytest.raises(RuntimeError, match="call reset"):
+        env.step("late")

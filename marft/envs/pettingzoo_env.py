@@ -153,13 +153,17 @@ def _aec_class():
             return agent_view(self.env, self.env.roles.index(agent), self._private)
 
         def step(self, action: str | None) -> None:
+            if not self.agents:
+                raise RuntimeError("the episode is over and every agent has left: call reset()")
             agent = self.agent_selection
             if self.terminations[agent] or self.truncations[agent]:
                 self._was_dead_step(action)
                 return
+            if not isinstance(action, str):
+                raise TypeError(f"{agent}'s action must be its reply (a str), got {type(action).__name__}")
             self._cumulative_rewards[agent] = 0.0
             self._clear_rewards()
-            self.env.take_turn(self.env.roles.index(agent), str(action))
+            self.env.take_turn(self.env.roles.index(agent), action)
             if self.env.speakers():
                 self.agent_selection = self.env.roles[self.env.speakers()[0]]
                 return

@@ -19,6 +19,8 @@ TextArena is optional: ``pip install "marft[games]"``.
 
 from __future__ import annotations
 
+import contextlib
+import random
 import re
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,42 +78,70 @@ class GameState(EpisodeState):
     """Self-play: each agent's view of the game now (its seat's messages); empty against a fixed opponent."""
     legal: tuple[str, ...] = ()
     """The legal moves the game lists for the player to move (empty: the game lists none, or it is over)."""
+    retries: tuple[int, ...] = ()
+    """Per agent, its invalid moves TextArena forgave (the agent tried again); charged when the horizon cuts a game."""
+    opponent_moves: int = 0
+    """Moves the fixed opponent made: its k-th choice is drawn from a generator seeded by (game seed, k)."""
 
     def __post_init__(self):
         object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives lists
         object.__setattr__(self, "views", tuple(self.views))
         object.__setattr__(self, "legal", tuple(self.legal))
+        object.__setattr__(self, "retries", tuple(self.retries))
 
 
 class Game:
-    """One live TextArena game: its messages to each player as text, and moves by either player."""
+    """One live TextArena game: its messages to each player as text, and moves by either player.
+
+    TextArena's games deal with Python's global ``random`` (seeded when a game starts, e.g. Kuhn Poker's later
+    rounds), so each game keeps a stream of its own: every call into the game runs on the game's saved state of
+    ``random`` and gives the process's back afterwards. A replay from (seed, moves) is then the same game whatever
+    else used ``random`` meanwhile (other envs, another replay)."""
 
     def __init__(self, game_id: str, seed: int):
-        self.env = _textarena().make(game_id)
-        self.env.reset(num_players=2, seed=seed)
+        self._random = None
+        with self._own_random(seed):
+            self.env = _textarena().make(game_id)
+            self.env.reset(num_players=2, seed=seed)
         self.base = self.env
         while hasattr(self.base, "env"):  # the game itself under TextArena's wrappers (observations come from it)
             self.base = self.base.env
         self.rules = {pid: "" for pid in (0, 1)}
         self.unread = {pid: "" for pid in (0, 1)}
         self.from_game = {pid: "" for pid in (0, 1)}  # the game's own messages among the unread: legal moves come from these
-        self.done, self.result = False, None
+        self.done, self.result, self.forgiven = False, None, False
         self._collect()
 
+    @contextlib.contextmanager
+    def _own_random(self, seed: int | None = None):
+        """Run the game on its own state of Python's ``random`` (``seed``: a fresh one), restoring the process's."""
+        outer = random.getstate()
+        if seed is not None:
+            random.seed(seed)
+        else:
+            random.setstate(self._random)
+        try:
+            yield
+        finally:
+            self._random = random.getstate()
+            random.setstate(outer)
+
     def _collect(self) -> None:
-        """Move the game's new messages for every player into ``rules`` (prompts) and ``unread`` (the rest)."""
+        """Move the game's new messages for every player into ``rules`` (prompts) and ``unread`` (the rest). A
+        player's message is put on one line after its name, so its text cannot pass for the game's own lines."""
         from textarena.core import ObservationType
 
         state = self.base.state
         for pid in (0, 1):
             for sender, message, kind in state.observations.get(pid, []):
-                name = "GAME" if sender == GAME_ID else state.role_mapping.get(sender, f"Player {sender}")
                 if kind == ObservationType.PROMPT:
                     self.rules[pid] += message.strip() + "\n"
+                elif sender == GAME_ID:  # only the game lists legal moves
+                    self.unread[pid] += f"[GAME] {message.strip()}\n"
+                    self.from_game[pid] += message.strip() + "\n"
                 else:
-                    self.unread[pid] += f"[{name}] {message.strip()}\n"
-                    if sender == GAME_ID:  # a player's text may imitate the game's; only the game lists legal moves
-                        self.from_game[pid] += message.strip() + "\n"
+                    name = state.role_mapping.get(sender, f"Player {sender}")
+                    self.unread[pid] += f"[{name}] {' '.join(message.split())}\n"
             state.observations[pid] = []
 
     @property
@@ -119,13 +149,22 @@ class Game:
         return int(self.base.state.current_player_id)
 
     def move(self, action: str) -> None:
-        """The current player makes ``action``; the game's messages are collected; at the end, its result."""
+        """The current player makes ``action``; the game's messages are collected; at the end, its result. The
+        player's view starts afresh after its move, unless it is to move again (a retry after an invalid move
+        TextArena forgave): then it keeps what it saw (its card, the legal moves) and adds what followed."""
         player = self.current_player
-        self.unread[player] = self.from_game[player] = ""  # what it saw before this move has been read
-        self.done, _ = self.env.step(action)
+        seen, seen_from_game = self.unread[player], self.from_game[player]
+        self.unread[player] = self.from_game[player] = ""
+        with self._own_random():
+            self.done, _ = self.env.step(action)
+            if self.done:
+                self.result = self.env.close()  # (rewards by player id, game info by player id)
         self._collect()
-        if self.done:
-            self.result = self.env.close()  # (rewards by player id, game info by player id)
+        # the move was invalid and TextArena lets the player try again
+        self.forgiven = not self.done and self.current_player == player and "invalid" in self.from_game[player].lower()
+        if not self.done and self.current_player == player:
+            self.unread[player] = seen + self.unread[player]
+            self.from_game[player] = seen_from_game + self.from_game[player]
 
     def view(self, pid: int) -> str:
         """What player ``pid`` sees now: the rules, then the messages since its previous move."""
@@ -190,7 +229,11 @@ class TextArenaEnv(MultiAgentTextEnv):
         self.n_games = n_games or (5000 if split == "train" else 100)
         self.seed_offset = 0 if split == "train" else 1_000_000
         self._live: tuple[tuple, Game] | None = None  # the latest game played, keyed by (seed, moves): saves replays
-        Game(game_id, 0)  # an unknown id fails now, in one line
+        try:
+            Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
+        except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
+            raise ValueError(f"TextArena game {game_id!r} cannot be played by two players here: "
+                             f"{type(error).__name__}: {error}") from error
 
     @property
     def num_tasks(self) -> int:
@@ -251,20 +294,21 @@ class TextArenaEnv(MultiAgentTextEnv):
             game.move(move)
         return game
 
-    def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...]) -> tuple[str, ...]:
-        """The fixed opponent moves until it is ``seat``'s turn or the game ends (never in self-play); its choices
-        are a function of the game so far (a generator seeded by the game seed and the move count): pure transitions."""
+    def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int) -> tuple[tuple[str, ...], int]:
+        """The fixed opponent moves until it is ``seat``'s turn or the game ends (never in self-play); ``made``: its
+        moves so far. Its k-th choice is drawn from a generator seeded by (game seed, k), so transitions are pure and
+        the agent cannot re-draw the opponent's reply by wasting attempts. Returns (moves, the opponent's count)."""
         while not self.self_play and not game.done and game.current_player != seat:
             options = legal_moves(game.from_game[game.current_player])
             if not options:
                 raise ValueError(f"the random opponent needs the legal moves listed in {self.game_id}'s observation "
                                  f"(a line with 'available' and moves like '[4]'); none in: {game.unread[game.current_player][-300:]!r}")
-            choice = options[int(np.random.default_rng([seed, len(moves)]).integers(len(options)))]
+            choice = options[int(np.random.default_rng([seed, made]).integers(len(options)))]
             game.move(choice)
-            moves = moves + (choice,)
-        return moves
+            moves, made = moves + (choice,), made + 1
+        return moves, made
 
-    def _state(self, state: GameState | None, game: Game, seat: int, seed: int, moves: tuple[str, ...]) -> GameState:
+    def _state(self, state: GameState | None, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int) -> GameState:
         """The episode state after ``moves``; ``game`` is kept live for the next transition."""
         self._live = ((seed, moves), game)
         to_move = -1 if game.done else game.current_player
@@ -276,8 +320,9 @@ class TextArenaEnv(MultiAgentTextEnv):
             views, history = (), format_problem(game.view(seat))
         if state is None:
             return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
-                             moves=moves, to_move=to_move, views=views, legal=legal)
-        return replace(state, history=history, moves=moves, to_move=to_move, views=views, legal=legal)
+                             moves=moves, to_move=to_move, views=views, legal=legal, retries=(0,) * self.n_agents,
+                             opponent_moves=made)
+        return replace(state, history=history, moves=moves, to_move=to_move, views=views, legal=legal, opponent_moves=made)
 
     # ---- marft's hooks
 
@@ -288,7 +333,7 @@ class TextArenaEnv(MultiAgentTextEnv):
     def initial_state(self, task: dict) -> GameState:
         seat, seed = int(task["seat"]), int(task["game_seed"])
         game = Game(self.game_id, seed)
-        return self._state(None, game, seat, seed, self._opponent_moves(game, seat, seed, ()))
+        return self._state(None, game, seat, seed, *self._opponent_moves(game, seat, seed, (), 0))
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
         raise NotImplementedError("a TextArena game is judged by the game itself, in transition()")
@@ -299,21 +344,31 @@ class TextArenaEnv(MultiAgentTextEnv):
         game = self._game(state.game_seed, state.moves)
         mover = self.agent_of(game.current_player, state) if self.self_play else 0
         game.move(actions[mover])
-        moves = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],))
+        retries = tuple(r + (a == mover and game.forgiven) for a, r in enumerate(state.retries))
+        moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],), state.opponent_moves)
         step = state.step + 1
-        outcome = self._outcome(game, state, mover)
-        new = self._state(state, game, state.seat, state.game_seed, moves)
-        return replace(new, step=step, terminated=game.done or step >= self.horizon, truncated=False, outcome=outcome)
+        new = replace(self._state(state, game, state.seat, state.game_seed, moves, made), retries=retries, step=step)
+        outcome = self._outcome(game, new)
+        return replace(new, terminated=game.done or step >= self.horizon, truncated=False, outcome=outcome)
 
-    def _outcome(self, game: Game, state: GameState, mover: int) -> StepOutcome:
-        """Every agent's reward (its seat's; 0 until the game ends) and, at the end, agent 0's outcome."""
-        if not game.done:
+    def _outcome(self, game: Game, state: GameState) -> StepOutcome:
+        """Every agent's reward (its seat's; 0 until the game ends) and, at the end, agent 0's outcome. A game the
+        horizon cuts short is ``unfinished``: -1 for every agent that wasted moves on forgiven invalid ones (else a
+        loss could be stalled away), 0 for the others."""
+        if not game.done and state.step < self.horizon:
             return StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info={"correct": False, "seat": state.seat})
+        if not game.done:
+            rewards = tuple(-1.0 if r else 0.0 for r in state.retries)
+            info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
+                    "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
+            if self.self_play:
+                info["invalid_by"] = ""
+            return StepOutcome(rewards=rewards, solved=False, info=info)
         by_seat, game_info = game.result
         rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
         invalid = [a for a in range(self.n_agents) if game_info.get(self.seat_of(a, state), {}).get("invalid_move")]
         info: dict[str, Any] = {"correct": rewards[0] > 0, "outcome": OUTCOMES[int(np.sign(rewards[0]))], "seat": state.seat,
-                                "invalid_move": bool(invalid), "moves": len(state.moves) + 1}
+                                "invalid_move": bool(invalid), "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
         return StepOutcome(rewards=rewards, solved=True, info=info)
@@ -325,6 +380,9 @@ class TextArenaEnv(MultiAgentTextEnv):
         while len(transcripts) < n:
             index = self.choose_task(None)
             self.reset(options={"task_index": index})
+            if not self.episode.legal:
+                raise ValueError(f"{self.game_id} lists no legal moves in its observations, so there are no random-legal "
+                                 "demonstrations: warm-start with transcripts of your own (--sft_data FILE.jsonl)")
             while not self.episode.done and self.episode.legal and len(transcripts) < n:
                 mover = self.turns.due[0]
                 move = self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]

@@ -182,7 +182,7 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
     if games:  # a game env: win / draw / loss rates and mean reward per seat, the invalid-move rate
         seats = sorted({episode["seat"] for episode in games})
         summary["games"] = {
-            f"seat_{seat}": {**{o: float(np.mean([e["outcome"] == o for e in mine])) for o in ("win", "draw", "loss")},
+            f"seat_{seat}": {**{o: float(np.mean([e["outcome"] == o for e in mine])) for o in ("win", "draw", "loss", "unfinished")},
                              "reward": float(np.mean([e["return"] for e in mine])), "games": len(mine)}
             for seat in seats for mine in [[e for e in games if e["seat"] == seat]]
         }
