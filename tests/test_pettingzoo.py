@@ -134,7 +134,7 @@ def test_a_live_agents_action_must_be_a_reply_and_an_ended_game_says_reset():
     env.reset(seed=0)
     with pytest.raises(TypeError, match="must be its reply"):
         env.step(None)
-    for agent in env.agent_iter():
+    for _agent in env.agent_iter():
         _, _, terminated, truncated, _ = env.last()
         env.step(None if terminated or truncated else "\\boxed{1}")
     with pytest.raises(RuntimeError, match="call reset"):

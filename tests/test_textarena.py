@@ -301,7 +301,9 @@ def test_stalling_with_forgiven_invalid_moves_does_not_pay():
                 env.step(("not a move",))
             else:
                 env.step((env.episode.legal[0],))
-    opponent = lambda env: [m for m in env.episode.moves if m != "not a move"][0::2]  # seat 1 moves first on task 5
+    def opponent(env):
+        return [m for m in env.episode.moves if m != "not a move"][0::2]  # seat 1 moves first on task 5
+
     assert opponent(honest) == opponent(stalling), "wasted attempts re-drew the opponent's replies"
 
 
