@@ -132,6 +132,8 @@ class AlgoConfig:
     """step_discount: the factor per turn between a turn's credit and the next turn's."""
     train_orchestrator: bool = True
     """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
+    frozen_roles: Optional[str] = None
+    """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game); their turns still count in the critic's data."""
     kl_coef: float = 0.0
     """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, averaged over each minibatch's reply tokens and added to the policy loss (0: none, no reference forward)."""
     kl_reference: str = "auto"

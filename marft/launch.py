@@ -96,9 +96,28 @@ def validate(config: TrainConfig):
             f"--env_name {config.env.env_name} sets no num_tasks (see docs/environments.md, 'Tasks by index')"
         )
     check_competitive(config, make_train_env().unwrapped)
+    check_frozen_roles(config, profile)
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
+
+
+def check_frozen_roles(config: TrainConfig, profile) -> None:
+    """``--frozen_roles`` names roles of the team, leaves one to train, and does not freeze a shared adapter.
+
+    Raises:
+        ValueError: an unknown role, every role frozen, or ``--shared_lora`` (one adapter for all)."""
+    frozen = [role.strip() for role in (config.algo.frozen_roles or "").split(",") if role.strip()]
+    if not frozen:
+        return
+    roles = [spec.role for spec in profile]
+    unknown = [role for role in frozen if role not in roles]
+    if unknown:
+        raise ValueError(f"--frozen_roles names {unknown}, not roles of the team {roles}")
+    if set(frozen) >= set(roles):
+        raise ValueError(f"--frozen_roles freezes every role of the team {roles}: nothing would train")
+    if config.model.shared_lora:
+        raise ValueError("--frozen_roles with --shared_lora: the roles share one adapter, so none can stay as it is")
 
 
 def check_competitive(config: TrainConfig, env) -> None:

@@ -8,6 +8,7 @@ import re
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
 
@@ -331,3 +332,36 @@ def test_demonstrations_of_a_game_without_listed_moves_stop_with_the_remedy():
     env = make("textarena:Nim-v0", split="train", profile="game_seats")
     with pytest.raises(ValueError, match="no legal moves.*--sft_data"):
         env.demonstrations(2)
+
+
+def self_play_run(random_model_dir, output_dir, *extra):
+    from marft.launch import main
+
+    return main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_seats",
+                 "--algorithm_name", "GRPO", "--credit_assignment", "per_step", "--update_on_constant_rewards", "true",
+                 "--max_new_tokens", "4", "--context_window", "1024", "--n_rollout_threads", "4", "--group_size", "2",
+                 "--horizon", "3", "--episode_length", "3", "--num_env_steps", "24", "--eval_episodes", "2",
+                 "--n_eval_threads", "2", "--output_dir", str(output_dir), *extra])
+
+
+@pytest.mark.slow
+def test_a_frozen_seat_keeps_its_adapter_while_the_other_trains(random_model_dir, tmp_path):
+    """A fixed opponent in self-play: --frozen_roles "Player B" trains Player A only (compared with a run of the same
+    seed whose warm-up outlasts it, so that no adapter trains)."""
+    from safetensors.torch import load_file
+
+    def adapters(run):
+        return {role: load_file(run / "checkpoints" / "steps_2" / role / "adapter_model.safetensors") for role in ("player_a", "player_b")}
+
+    # an untrained model's games all end alike (no advantage to learn from): the entropy bonus moves what trains
+    assert self_play_run(random_model_dir, tmp_path / "frozen_b", "--frozen_roles", "Player B", "--entropy_coef", "0.1") == 0
+    assert self_play_run(random_model_dir, tmp_path / "untrained", "--warmup_steps", "1000", "--entropy_coef", "0.1") == 0
+    trained, initial = adapters(tmp_path / "frozen_b"), adapters(tmp_path / "untrained")
+    assert all(torch.equal(trained["player_b"][k], initial["player_b"][k]) for k in initial["player_b"])
+    assert any(not torch.equal(trained["player_a"][k], initial["player_a"][k]) for k in initial["player_a"])
+
+
+@pytest.mark.parametrize("frozen, message", [("Player C", "not roles of the team"), ("Player A,Player B", "nothing would train")])
+def test_frozen_roles_are_checked_before_the_model_loads(random_model_dir, tmp_path, capsys, frozen, message):
+    assert self_play_run(random_model_dir, tmp_path / "run", "--frozen_roles", frozen) == 2
+    assert message in capsys.readouterr().err

@@ -72,13 +72,14 @@ class PPOTrainer:
         """Agents whose policy is updated at ``iteration`` (0-based), as the original MARFT decides it from
         the env steps collected once this iteration's rollout is in: none before ``warmup_steps``, then all
         agents, or agent ``(env_steps // agent_iteration_interval) % n_agents`` alone (the round-robin includes
-        an orchestrator, unless ``--train_orchestrator false`` leaves it out). The env steps are those of the
+        an orchestrator, unless ``--train_orchestrator false`` leaves it out; ``--frozen_roles`` are never trained). The env steps are those of the
         iterations before :attr:`schedule_origin` (as collected) plus this run's since."""
         origin_iteration, origin_steps = self.schedule_origin
         env_steps = origin_steps + (iteration - origin_iteration + 1) * self.steps_per_iteration
         if env_steps < self.config.warmup_steps:
             return []
-        trainable = list(range(self.team.n_agents))
+        frozen = {role.strip() for role in (self.config.frozen_roles or "").split(",") if role.strip()}
+        trainable = [a for a in range(self.team.n_agents) if self.team.profile[a].role not in frozen]
         if not self.config.train_orchestrator:
             trainable = [a for a in trainable if not self.team.profile[a].orchestrator]
         interval = self.config.agent_iteration_interval
