@@ -6,6 +6,7 @@ import collections
 import json
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,7 +233,7 @@ def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_m
                  "--num_env_steps", "6", "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(run)]) == 0
     summary = evaluate(run, episodes=8, seed=0, output_dir=tmp_path / "eval")
     games = summary["games"]
-    assert set(games) == {"seat_0", "seat_1", "invalid_move_rate"}
+    assert set(games) == {"role", "seat_0", "seat_1", "invalid_move_rate"} and games["role"] == "Player"
     for seat in ("seat_0", "seat_1"):
         assert games[seat]["games"] == 4 and games[seat]["win"] + games[seat]["draw"] + games[seat]["loss"] == pytest.approx(1)
     transcripts = [json.loads(line) for line in (tmp_path / "eval" / "transcripts.jsonl").read_text().splitlines()]
@@ -365,3 +366,34 @@ def test_a_frozen_seat_keeps_its_adapter_while_the_other_trains(random_model_dir
 def test_frozen_roles_are_checked_before_the_model_loads(random_model_dir, tmp_path, capsys, frozen, message):
     assert self_play_run(random_model_dir, tmp_path / "run", "--frozen_roles", frozen) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_each_self_play_agent_is_evaluated_against_the_random_player(random_model_dir, tmp_path):
+    from marft.trained.evaluate import evaluate
+
+    assert self_play_run(random_model_dir, tmp_path / "run") == 0
+    summary = evaluate(tmp_path / "run", episodes=8, seed=0, versus_random="Player B", progress=False)
+    games = summary["games"]
+    assert games["role"] == "Player A" and summary["output_dir"].endswith("-versus-random-player_b")
+    for seat in ("seat_0", "seat_1"):
+        rates = [games[seat][o] for o in ("win", "draw", "loss", "unfinished")]
+        assert games[seat]["games"] == 4 and sum(rates) == pytest.approx(1)
+    transcripts = [json.loads(line) for line in (Path(summary["output_dir"]) / "transcripts.jsonl").read_text().splitlines()]
+    roles = {turn["role"] for t in transcripts for step in t["steps"] for turn in step}
+    assert roles == {"Player A"}, "the random player moved for Player B inside the env"
+    with pytest.raises(ValueError, match="one of"):
+        evaluate(tmp_path / "run", episodes=2, versus_random="Player C", progress=False)
+
+
+@pytest.mark.slow
+def test_versus_random_is_for_self_play_games(random_model_dir, tmp_path):
+    from marft.launch import main
+    from marft.trained.evaluate import evaluate
+
+    run = tmp_path / "run"
+    assert main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_player",
+                 "--max_new_tokens", "4", "--context_window", "192", "--n_rollout_threads", "2", "--episode_length", "3",
+                 "--num_env_steps", "6", "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(run)]) == 0
+    with pytest.raises(ValueError, match="self-play"):
+        evaluate(run, episodes=2, versus_random="Player", progress=False)

@@ -24,6 +24,8 @@ def build_parser():
     p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--versus_random", metavar="ROLE", help="self-play games: the random-legal-move player moves for ROLE; "
+                   "the game figures are the other role's against it")
     p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model]/"
                    "<split>-n<N> or <split>-episodes<E>)")
     return p
@@ -53,7 +55,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     if args.n_eval_threads is not None:
         config.runner.n_eval_threads = args.n_eval_threads
     summary = evaluate(args.load_path, config=config, n=args.n, k=args.k or [1], episodes=args.episodes, greedy=args.greedy,
-                       output_dir=args.output_dir, seed=args.seed, base_model=args.base_model, split=args.split)
+                       output_dir=args.output_dir, seed=args.seed, base_model=args.base_model, split=args.split,
+                       versus_random=args.versus_random)
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 

@@ -229,6 +229,8 @@ class TextArenaEnv(MultiAgentTextEnv):
         self.n_games = n_games or (5000 if split == "train" else 100)
         self.seed_offset = 0 if split == "train" else 1_000_000
         self._live: tuple[tuple, Game] | None = None  # the latest game played, keyed by (seed, moves): saves replays
+        self.random_agents: frozenset[int] = frozenset()
+        """Self-play: agents whose moves the random-legal-move player makes instead (:meth:`play_randomly`)."""
         try:
             Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
         except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
@@ -282,6 +284,19 @@ class TextArenaEnv(MultiAgentTextEnv):
             return list(self.episode.views)
         return [""] * self.n_agents
 
+    def play_randomly(self, roles) -> None:
+        """Self-play: let the random-legal-move player move for ``roles`` (e.g. to evaluate each agent against it);
+        takes effect at the next reset.
+
+        Raises:
+            ValueError: not self-play, an unknown role, or every role."""
+        if not self.self_play:
+            raise ValueError("play_randomly is for self-play teams; a one-agent team already plays the random player")
+        unknown = [r for r in roles if r not in self.roles]
+        if unknown or len(set(roles)) >= self.n_agents:
+            raise ValueError(f"the random player can move for one of {list(self.roles)}, got {list(roles)}")
+        self.random_agents = frozenset(self.roles.index(r) for r in roles)
+
     # ---- the game
 
     def _game(self, seed: int, moves: tuple[str, ...]) -> Game:
@@ -295,10 +310,12 @@ class TextArenaEnv(MultiAgentTextEnv):
         return game
 
     def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int) -> tuple[tuple[str, ...], int]:
-        """The fixed opponent moves until it is ``seat``'s turn or the game ends (never in self-play); ``made``: its
+        """The fixed opponent moves until it is ``seat``'s turn or the game ends (in self-play: for the
+        :attr:`random_agents`, while one of them is to move; ``seat``: agent 0's); ``made``: its
         moves so far. Its k-th choice is drawn from a generator seeded by (game seed, k), so transitions are pure and
         the agent cannot re-draw the opponent's reply by wasting attempts. Returns (moves, the opponent's count)."""
-        while not self.self_play and not game.done and game.current_player != seat:
+        while not game.done and (game.current_player != seat if not self.self_play
+                                 else (game.current_player - seat) % 2 in self.random_agents):
             options = legal_moves(game.from_game[game.current_player])
             if not options:
                 raise ValueError(f"the random opponent needs the legal moves listed in {self.game_id}'s observation "
@@ -363,6 +380,8 @@ class TextArenaEnv(MultiAgentTextEnv):
                     "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
             if self.self_play:
                 info["invalid_by"] = ""
+                info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
+                info["reward_by_role"] = dict(zip(self.roles, rewards))
             return StepOutcome(rewards=rewards, solved=False, info=info)
         by_seat, game_info = game.result
         rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
@@ -371,6 +390,8 @@ class TextArenaEnv(MultiAgentTextEnv):
                                 "invalid_move": bool(invalid), "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
+            info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
+            info["reward_by_role"] = dict(zip(self.roles, rewards))
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
     def demonstrations(self, n: int) -> list[dict]:

@@ -13,7 +13,7 @@ from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.rollout.turns import play_team_step
 
-GAME_FIELDS = ("outcome", "seat", "invalid_move")
+GAME_FIELDS = ("outcome", "seat", "invalid_move", "outcome_by_role", "reward_by_role")
 """Final-step info a game env reports (win / draw / loss, the agent's seat, an invalid move): kept in transcripts."""
 
 

@@ -100,7 +100,7 @@ def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test")
 def evaluate(
     load_path: str | Path | None = None, config: TrainConfig | None = None, n: int = 1, k: Sequence[int] = (1,),
     episodes: int | None = None, greedy: bool = False, output_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
-    base_model: bool = False, split: str = "test",
+    base_model: bool = False, split: str = "test", versus_random: str | None = None,
 ) -> dict:
     """Evaluate the checkpoint at ``load_path`` (``base_model``: its team with fresh adapters, the "before" figure;
     no checkpoint: ``config``'s base model) on ``config``'s held-out split (default: the checkpoint's own config);
@@ -108,6 +108,9 @@ def evaluate(
     ``<run dir>/eval/steps_<N>[-base_model]/<split>-n<n>`` (or ``-episodes<E>``), or ``results/eval/<time>`` without a
     checkpoint). ``split``: the env's
     held-out split (a dataset folder's ``<split>.jsonl``, e.g. ``test500``).
+
+    ``versus_random``: a self-play game's role that the random-legal-move player plays instead; the game figures
+    (``games``) are then those of the other role, against it.
 
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
     ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
@@ -122,6 +125,9 @@ def evaluate(
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
     config, checkpoint = team_source(load_path, config)
     team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
+    perspective = None
+    if versus_random is not None:
+        make_eval_env, perspective = versus_random_player(make_eval_env, versus_random)
     tasks = make_eval_env().unwrapped.num_tasks
     if episodes is None and not tasks:
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
@@ -131,6 +137,7 @@ def evaluate(
     result, transcripts = _play(team, make_eval_env, total, seed, config, diagnostics, progress, evaluate_episodes)
     summary = _summary(config, None if base_model else checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed,
                        [s.role for s in profile], split)
+    summary.update(game_figures(transcripts, [s.role for s in profile], perspective))
     calls = diagnostics.call_distribution()
     if calls:  # an orchestrated team: whom the orchestrator called per step, and the share of invalid replies
         summary["orchestrator_calls"] = calls
@@ -139,7 +146,8 @@ def evaluate(
     summary["seconds"] = round(time.perf_counter() - start, 1)
     if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split and sample count
         output_dir = (checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
-                      / (f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}"))
+                      / ((f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}")
+                         + (f"-versus-random-{versus_random.lower().replace(' ', '_')}" if versus_random else "")))
     out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts)
     summary["output_dir"] = str(out)
@@ -178,16 +186,52 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
             correct[episode["task"]] += int(episode["correct"])
         summary.update(tasks=tasks, n=n, **{f"pass@{kk}": float(np.mean([pass_at_k(n, int(c), kk) for c in correct])) for kk in k})
     summary["roles"] = role_stats(transcripts, roles)
-    games = [episode for episode in transcripts if "outcome" in episode]
-    if games:  # a game env: win / draw / loss rates and mean reward per seat, the invalid-move rate
-        seats = sorted({episode["seat"] for episode in games})
-        summary["games"] = {
-            f"seat_{seat}": {**{o: float(np.mean([e["outcome"] == o for e in mine])) for o in ("win", "draw", "loss", "unfinished")},
-                             "reward": float(np.mean([e["return"] for e in mine])), "games": len(mine)}
-            for seat in seats for mine in [[e for e in games if e["seat"] == seat]]
-        }
-        summary["games"]["invalid_move_rate"] = float(np.mean([bool(e.get("invalid_move")) for e in games]))
     return summary
+
+
+def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str | None = None) -> dict:
+    """A game env's figures (``{"games": ...}``, or {} for other envs): per seat of the agent whose games they are
+    (``perspective``, default the first role), its win / draw / loss / unfinished rates and mean reward, and the
+    share of games ended by an invalid move."""
+    games = [episode for episode in transcripts if "outcome" in episode]
+    if not games:
+        return {}
+    role = perspective or roles[0]
+    agent = list(roles).index(role)
+
+    def outcome(e):
+        return e["outcome_by_role"][role] if perspective else e["outcome"]
+
+    def reward(e):
+        return e["reward_by_role"][role] if perspective else e["return"]
+
+    figures: dict = {"role": role}
+    for seat in (0, 1):
+        mine = [e for e in games if (e["seat"] + agent) % 2 == seat]
+        if mine:
+            figures[f"seat_{seat}"] = {**{o: float(np.mean([outcome(e) == o for e in mine])) for o in ("win", "draw", "loss", "unfinished")},
+                                       "reward": float(np.mean([reward(e) for e in mine])), "games": len(mine)}
+    figures["invalid_move_rate"] = float(np.mean([bool(e.get("invalid_move")) for e in games]))
+    return {"games": figures}
+
+
+def versus_random_player(make_env, role: str):
+    """``(make_env, the other role)``: the env of a self-play game with the random-legal-move player moving for ``role``.
+
+    Raises:
+        ValueError: the env is not a self-play game, or ``role`` is not one of its roles."""
+    probe = make_env().unwrapped
+    if not hasattr(probe, "play_randomly"):
+        raise ValueError(f"--versus_random is for self-play games (textarena:<id> with a two-agent profile), not {type(probe).__name__}")
+    probe.play_randomly([role])  # checks the role
+    other = next(r for r in probe.roles if r != role)
+
+    def make_versus():
+        env = make_env()
+        env.unwrapped.play_randomly([role])
+        return env
+
+    return make_versus, other
 
 
 def role_stats(transcripts: list[dict], roles: Sequence[str]) -> dict[str, dict[str, float]]:
