@@ -9,7 +9,8 @@ Every row's command runs as written, from the repository root, one at a time (ti
 comparable with nothing else running). A row's figures come from its command's last line of JSON
 (``scripts/benchmark.py``) or from the ``summary.json`` of a training run (``--output_dir`` is added). The record
 names the git commit, the machine, the date and, once per run, the machine's speed reading of
-``../shared/anchor/calibrate.py`` where that file exists (the development workspace's calibration), else null.
+``../shared/anchor/calibrate.py`` (``$MARFT_CALIBRATE``) where that file exists (the development workspace's
+calibration), else null.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = ROOT / "benchmarks" / "suites.yaml"
 RESULTS = ROOT / "benchmarks" / "results"
-CALIBRATE = ROOT.parent / "shared" / "anchor" / "calibrate.py"
+CALIBRATE = Path(os.environ.get("MARFT_CALIBRATE", ROOT.parent / "shared" / "anchor" / "calibrate.py"))
+"""The development workspace's machine-speed script (``$MARFT_CALIBRATE`` for another path, e.g. from a clone elsewhere)."""
 READS = ("last_json_line", "summary_json")
 
 

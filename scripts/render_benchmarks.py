@@ -49,6 +49,8 @@ def machine_line(run: dict) -> str:
     where = f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if m.get("gpu") else ", no GPU")
     commit = (run["commit"] or "unknown")[:10] + (" + local changes" if run.get("dirty") else "")
     calibration = f"{run['calibrate_s']:.2f} s" if run.get("calibrate_s") is not None else "not measured"
+    if run.get("calibrate_note"):
+        calibration += f" ({run['calibrate_note']})"
     return (f"Measured {run['date']} on {where}; Python {m['python']}, torch {m['torch']}; commit `{commit}`; "
             f"calibrate {calibration}.")
 
@@ -109,9 +111,9 @@ def readme_table() -> str:
                 continue  # not measured yet: only measured figures are shown
             figures = " / ".join(entry["figure"].format(**row["result"]) for row in rows)
             seeds = entry["seeds"]
-            which = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}–{seeds[-1]}"
+            which = "" if "{seed}" not in entry["command"] else f" (seed {seeds[0]})" if len(seeds) == 1 else f" (seeds {seeds[0]}–{seeds[-1]})"
             machines = {f"{r['run']['machine']['cpu']}, {r['run']['machine']['cores']} cores" for r in rows}
-            lines.append(f"| {entry['what']} ({which}) | `{entry['command'].replace('{seed}', 'S')}` | {figures} | "
+            lines.append(f"| {entry['what']}{which} | `{entry['command'].replace('{seed}', 'S')}` | {figures} | "
                          f"{'; '.join(sorted(machines))} |")
     return "\n".join(lines)
 
