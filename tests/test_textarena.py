@@ -222,15 +222,21 @@ def test_the_games_page_example_runs():
     assert namespace["game"].agent_selection == "Orchestrator"
 
 
+def player_run(random_model_dir, output_dir) -> int:
+    """Two iterations of the one-agent team against the random player, on the untrained test model."""
+    from marft.launch import main
+
+    return main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_player",
+                 "--max_new_tokens", "4", "--context_window", "192", "--n_rollout_threads", "2", "--episode_length", "3",
+                 "--num_env_steps", "6", "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(output_dir)])
+
+
 @pytest.mark.slow
 def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_model_dir, tmp_path):
-    from marft.launch import main
     from marft.trained.evaluate import evaluate
 
     run = tmp_path / "run"
-    assert main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_player",
-                 "--max_new_tokens", "4", "--context_window", "192", "--n_rollout_threads", "2", "--episode_length", "3",
-                 "--num_env_steps", "6", "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(run)]) == 0
+    assert player_run(random_model_dir, run) == 0
     summary = evaluate(run, episodes=8, seed=0, output_dir=tmp_path / "eval")
     games = summary["games"]
     assert set(games) == {"role", "seat_0", "seat_1", "invalid_move_rate"} and games["role"] == "Player"
@@ -388,12 +394,9 @@ def test_each_self_play_agent_is_evaluated_against_the_random_player(random_mode
 
 @pytest.mark.slow
 def test_versus_random_is_for_self_play_games(random_model_dir, tmp_path):
-    from marft.launch import main
     from marft.trained.evaluate import evaluate
 
     run = tmp_path / "run"
-    assert main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_player",
-                 "--max_new_tokens", "4", "--context_window", "192", "--n_rollout_threads", "2", "--episode_length", "3",
-                 "--num_env_steps", "6", "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(run)]) == 0
+    assert player_run(random_model_dir, run) == 0
     with pytest.raises(ValueError, match="self-play"):
         evaluate(run, episodes=2, versus_random="Player", progress=False)

@@ -79,7 +79,9 @@ class PPOTrainer:
         if env_steps < self.config.warmup_steps:
             return []
         frozen = {role.strip() for role in (self.config.frozen_roles or "").split(",") if role.strip()}
-        trainable = [a for a in range(self.team.n_agents) if self.team.profile[a].role not in frozen]
+        trainable = list(range(self.team.n_agents))
+        if frozen:
+            trainable = [a for a in trainable if self.team.profile[a].role not in frozen]
         if not self.config.train_orchestrator:
             trainable = [a for a in trainable if not self.team.profile[a].orchestrator]
         interval = self.config.agent_iteration_interval

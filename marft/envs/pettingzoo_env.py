@@ -101,13 +101,32 @@ def agent_view(env: MultiAgentTextEnv, agent: int, private: tuple[str, ...]) -> 
     return np.str_(format_private(private[agent]) + format_conversation(env.episode.history, env.visible_turns(agent)))
 
 
+class _RoleAgents:
+    """What the AEC and the parallel env share: agents named by the env's roles, a text space per agent."""
+
+    def _init_agents(self, env: MultiAgentTextEnv, max_reply_chars: int | None) -> None:
+        if len(set(env.roles)) != len(env.roles):
+            raise ValueError(f"PettingZoo names agents by role: the roles {list(env.roles)} must be distinct")
+        self.possible_agents = list(env.roles)
+        self.observation_spaces = {a: TextSpace(env.max_observation_length) for a in self.possible_agents}
+        self.action_spaces = {a: TextSpace(max_reply_chars or env.max_action_length) for a in self.possible_agents}
+        self._private: tuple[str, ...] = ("",) * env.n_agents
+        self.agents: list[str] = []
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self.observation_spaces[agent]
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return self.action_spaces[agent]
+
+
 # long function: the class is defined on first use, so that PettingZoo is imported only then
 @functools.cache
 def _aec_class():
     """:class:`TextAECEnv`'s class, built on first use (PettingZoo is imported only then)."""
     AECEnv = _pettingzoo().AECEnv
 
-    class TextAECEnv(AECEnv):
+    class TextAECEnv(_RoleAgents, AECEnv):
         """A marft environment as a PettingZoo AEC environment (see the module's docstring).
 
         Args:
@@ -124,19 +143,7 @@ def _aec_class():
                      **kwargs):
             super().__init__()
             self.env = _as_env(env, workflow, "auto", kwargs)
-            if len(set(self.env.roles)) != len(self.env.roles):
-                raise ValueError(f"PettingZoo names agents by role: the roles {list(self.env.roles)} must be distinct")
-            self.possible_agents = list(self.env.roles)
-            self.observation_spaces = {a: TextSpace(self.env.max_observation_length) for a in self.possible_agents}
-            self.action_spaces = {a: TextSpace(max_reply_chars or self.env.max_action_length) for a in self.possible_agents}
-            self._private: tuple[str, ...] = ("",) * self.env.n_agents
-            self.agents: list[str] = []
-
-        def observation_space(self, agent: str) -> spaces.Space:
-            return self.observation_spaces[agent]
-
-        def action_space(self, agent: str) -> spaces.Space:
-            return self.action_spaces[agent]
+            self._init_agents(self.env, max_reply_chars)
 
         def reset(self, seed: int | None = None, options: dict | None = None) -> None:
             _, info = self.env.reset(seed=seed, options=options)
@@ -197,7 +204,7 @@ def _parallel_class():
     """:class:`TextParallelEnv`'s class, built on first use."""
     ParallelEnv = _pettingzoo().ParallelEnv
 
-    class TextParallelEnv(ParallelEnv):
+    class TextParallelEnv(_RoleAgents, ParallelEnv):
         """A marft environment whose workflow lets every agent act at once, as a PettingZoo parallel environment.
 
         Args:
@@ -218,19 +225,7 @@ def _parallel_class():
             if sorted(self.env.speakers()) != list(range(self.env.n_agents)):
                 raise ValueError(f"the workflow of {type(self.env).__name__} has its agents speak one after another "
                                  f"(first {[self.env.roles[a] for a in self.env.speakers()]}): use the AEC API, aec_env()")
-            if len(set(self.env.roles)) != len(self.env.roles):
-                raise ValueError(f"PettingZoo names agents by role: the roles {list(self.env.roles)} must be distinct")
-            self.possible_agents = list(self.env.roles)
-            self.observation_spaces = {a: TextSpace(self.env.max_observation_length) for a in self.possible_agents}
-            self.action_spaces = {a: TextSpace(max_reply_chars or self.env.max_action_length) for a in self.possible_agents}
-            self._private: tuple[str, ...] = ("",) * self.env.n_agents
-            self.agents: list[str] = []
-
-        def observation_space(self, agent: str) -> spaces.Space:
-            return self.observation_spaces[agent]
-
-        def action_space(self, agent: str) -> spaces.Space:
-            return self.action_spaces[agent]
+            self._init_agents(self.env, max_reply_chars)
 
         def _observations(self) -> dict[str, np.str_]:
             return {a: agent_view(self.env, i, self._private) for i, a in enumerate(self.possible_agents)}

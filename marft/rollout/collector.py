@@ -111,10 +111,9 @@ class RolloutCollector:
             for e in np.flatnonzero(terminated | truncated):
                 finished_returns.append(self.episode_returns[e])
                 final_info = infos["final_info"]
-                if "correct" in final_info and final_info["_correct"][e]:
-                    finished_correct.append(float(final_info["correct"][e]))
-                if "invalid_move" in final_info and final_info["_invalid_move"][e]:  # a game env's (TextArena)
-                    finished_invalid.append(float(final_info["invalid_move"][e]))
+                for key, values in (("correct", finished_correct), ("invalid_move", finished_invalid)):  # invalid_move: games
+                    if key in final_info and final_info[f"_{key}"][e]:
+                        values.append(float(final_info[key][e]))
                 self.episode_returns[e] = 0.0
         if needs.values and not buffer.dones[T - 1].all():  # the value of each env's next turn bootstraps unfinished episodes
             with torch.no_grad():
@@ -123,10 +122,9 @@ class RolloutCollector:
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
         if finished_returns:
             stats["charts/episode_return"] = float(np.mean(finished_returns))
-        if finished_correct:
-            stats["charts/accuracy"] = float(np.mean(finished_correct))
-        if finished_invalid:
-            stats["charts/invalid_move_rate"] = float(np.mean(finished_invalid))
+        for name, values in (("accuracy", finished_correct), ("invalid_move_rate", finished_invalid)):
+            if values:
+                stats[f"charts/{name}"] = float(np.mean(values))
         stats["charts/step_reward"] = float(buffer.agent_rewards.mean())
         stats["charts/truncated_episodes"] = float(buffer.truncated.sum())
         stats["invalid_orchestrator_replies"] = invalid_replies
