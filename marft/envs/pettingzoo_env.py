@@ -119,6 +119,16 @@ class _RoleAgents:
     def action_space(self, agent: str) -> spaces.Space:
         return self.action_spaces[agent]
 
+    def state(self) -> np.str_:
+        """The global view a centralized critic gets (the env's ``state()``)."""
+        return np.str_(self.env.state())
+
+    def render(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.env.close()
+
 
 # long function: the class is defined on first use, so that PettingZoo is imported only then
 @functools.cache
@@ -185,16 +195,6 @@ def _aec_class():
             self._accumulate_rewards()
             self.agent_selection = self.agents[0] if (terminated or truncated) else self.env.roles[self.env.speakers()[0]]
 
-        def state(self) -> np.str_:
-            """The global view a centralized critic gets (the env's ``state()``)."""
-            return np.str_(self.env.state())
-
-        def render(self) -> None:
-            return None
-
-        def close(self) -> None:
-            self.env.close()
-
     return TextAECEnv
 
 
@@ -255,15 +255,6 @@ def _parallel_class():
             if terminated or truncated:
                 self.agents = []
             return out
-
-        def state(self) -> np.str_:
-            return np.str_(self.env.state())
-
-        def render(self) -> None:
-            return None
-
-        def close(self) -> None:
-            self.env.close()
 
     return TextParallelEnv
 
