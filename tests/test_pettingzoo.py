@@ -41,10 +41,12 @@ def test_every_shipped_env_passes_pettingzoos_api_test(label):
         api_test(aec_env(name, max_reply_chars=48, **kwargs), num_cycles=20)
 
 
-def user_env(page: Path, class_name: str, tmp_path, monkeypatch):
+def user_env(page: Path, class_name: str):
     """The env class of a docs page's ```python blocks, as a reader would paste them."""
     namespace: dict = {"__name__": f"user_{class_name}"}
-    for block in re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M):
+    from test_user_env import python_blocks
+
+    for block in python_blocks(page):
         if f"class {class_name}" in block:
             exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - the docs' own code
             return namespace[class_name]
@@ -52,8 +54,8 @@ def user_env(page: Path, class_name: str, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("page, class_name", [("README.md", "SameWordEnv"), ("docs/environments.md", "AgreeDigitEnv")])
-def test_the_docs_user_envs_pass_pettingzoos_api_test(page, class_name, tmp_path, monkeypatch):
-    env_class = user_env(ROOT / page, class_name, tmp_path, monkeypatch)
+def test_the_docs_user_envs_pass_pettingzoos_api_test(page, class_name):
+    env_class = user_env(ROOT / page, class_name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         api_test(aec_env(env_class(), max_reply_chars=48), num_cycles=20)

@@ -216,7 +216,9 @@ def test_the_games_page_example_runs():
     from pathlib import Path
 
     page = Path(__file__).resolve().parents[1] / "docs" / "games.md"
-    [block] = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    from test_user_env import python_blocks
+
+    [block] = python_blocks(page)
     namespace: dict = {}
     exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - the docs' own code
     assert namespace["game"].agent_selection == "Orchestrator"

@@ -33,8 +33,6 @@ from marft.envs.workflows import StepTurns, Workflow
 from marft.prompting import format_problem
 
 TEXTARENA_MISSING = 'TextArena is not installed: pip install "marft[games]" (or pip install textarena==0.7.4)'
-PREFIX = "textarena:"
-"""``--env_name textarena:<TextArena env id>`` builds a :class:`TextArenaEnv` of that game."""
 
 OPPONENTS = ("random",)
 DEFAULT_MAX_MOVES = 64
