@@ -18,8 +18,18 @@ DTYPES: dict[str, str] = {
 GENERATION_BACKENDS: dict[str, str] = {
     "decode_loop": "marft's own sampling loop (the default; the same ids and log-probs as generate for a seed on CPU)",
     "generate": "transformers' model.generate (the reference and fallback)",
+    "vllm": "one colocated vLLM engine, each agent's adapter served as a LoRA (needs vLLM installed)",
 }
-"""``--generation_backend`` → how replies are sampled (the classes: :data:`marft.agents.generation.BACKEND_CLASSES`)."""
+"""``--generation_backend`` → how replies are sampled (the classes: :data:`marft.agents.backends.BACKEND_CLASSES`)."""
+
+ROLLOUT_CORRECTIONS: dict[str, str] = {
+    "none": "no correction: the rollout's replies are taken as the trainer's policy sampled them",
+    "truncate": "weight each reply (per token in token-level losses) by min(trainer/engine probability ratio, cap): truncated importance sampling",
+    "mask": "drop replies whose trainer/engine probability ratio is above cap or below 1/cap",
+}
+"""``--rollout_correction`` → how the policy loss corrects for an inference engine sampling from a slightly
+different distribution than the trainer scores (``--generation_backend vllm``; with the other backends the
+two are the same and the weights are 1)."""
 
 NORMALIZATION_MODES: dict[str, str] = {
     "sum": "a reply's log-prob is the plain sum of its token log-probs",

@@ -29,6 +29,7 @@ from marft.choices import (
     GENERATION_BACKENDS,
     KL_REFERENCES,
     NORMALIZATION_MODES,
+    ROLLOUT_CORRECTIONS,
     TRAINERS,
     WORKFLOWS,
 )
@@ -66,7 +67,13 @@ class ModelConfig:
     chat_template: str = "auto"
     """auto: when the tokenizer has a chat template (instruct models), render each agent's prompt with it: system = the agent's role prompt, one user message = its private observation and the shared conversation followed by "Now it is <Role>'s turn.", the reply = the assistant turn, ended by the tokenizer's eos_token_id (check it is the template's end of turn, <|im_end|> for Qwen2.5-Instruct); a tokenizer without one (the embedded marft-tiny) gets the plain transcript. none: always the plain transcript (role prompt, private observation, conversation, cue "<Role>:")."""
     generation_backend: str = "decode_loop"
-    """What samples the replies: decode_loop (marft's own sampling loop on the KV cache, without generate's logits processors and stopping criteria: on CPU the same ids and log-probs as generate for a seed, and faster on small models, see Benchmarks) or generate (transformers' model.generate, the reference and fallback)."""
+    """What samples the replies: decode_loop (marft's own sampling loop on the KV cache, without generate's logits processors and stopping criteria: on CPU the same ids and log-probs as generate for a seed, and faster on small models, see Benchmarks), generate (transformers' model.generate, the reference and fallback) or vllm (one colocated vLLM engine, each agent's adapter served as a LoRA and re-sent after each update that changed it; the PPO log-probs still come from the trainer's forward; needs vLLM installed, see Scaling)."""
+    vllm_gpu_memory_utilization: float = 0.3
+    """--generation_backend vllm on a GPU: the share of the GPU's memory the engine may take (weights and KV cache); the trainer needs the rest."""
+    vllm_sleep: bool = True
+    """--generation_backend vllm on a GPU: the engine frees its KV cache while the trainer updates (vLLM's sleep mode, level 1) and takes it back before the next rollout."""
+    vllm_cpu_kv_cache_gib: int = 1
+    """--generation_backend vllm on CPU: the engine's KV cache in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; its own default takes most of the machine's memory)."""
     merge_lora_in_rollout: bool = True
     """In the rollout's forward passes without gradient (sampling each agent's replies, the critic's values), fold the adapter in use into temporary copies of the base weights: one matrix product per adapted layer instead of three; the base weights get their original tensors back, bit for bit, after each batch. Costs one copy of the adapted weights meanwhile; rollout log-probs and values equal the update's to float32 rounding. Float32 models only (in half precision the folded update would be rounded away, so there the rollout runs unmerged)."""
     unpadded_forward: bool = True
@@ -182,6 +189,10 @@ class AlgoConfig:
     """Standardise advantages over each trained agent's batch."""
     normalization_mode: str = "sum"
     """APPO: how a reply's log-prob is formed from its tokens: sum, token (mean per token) or word (sum / words)."""
+    rollout_correction: str = "truncate"
+    """How the policy loss corrects for replies sampled by an inference engine whose probabilities differ slightly from the trainer's (--generation_backend vllm; with the other backends the two agree and the weight is 1): truncate (each reply weighted by min(trainer/engine probability ratio, --rollout_correction_cap), per token in token-level losses: truncated importance sampling, as TRL and verl offer), mask (replies whose ratio is above the cap or below its inverse get weight 0) or none."""
+    rollout_correction_cap: float = 2.0
+    """The cap of --rollout_correction (above 1)."""
     target_kl: Optional[float] = None
     """Stop an agent's remaining PPO epochs once its approximate KL exceeds this (None: never). Stops are counted."""
     warmup_steps: int = 0
@@ -197,6 +208,7 @@ class AlgoConfig:
         check_fields(self)
         check_choice("algorithm_name", self.algorithm_name)
         check_choice("normalization_mode", self.normalization_mode)
+        check_choice("rollout_correction", self.rollout_correction)
         check_choice("credit_assignment", self.credit_assignment)
         check_choice("kl_reference", self.kl_reference)
         if self.algorithm_name == "GRPO" and self.group_size < 2:
@@ -333,7 +345,7 @@ class TrainConfig:
 SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner": RunnerConfig}
 
 
-CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES,
+CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES, "rollout_correction": ROLLOUT_CORRECTIONS,
                             "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
                             "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS,
                             "kl_reference": KL_REFERENCES}

@@ -184,9 +184,22 @@ def init_distributed(device: str, timeout_s: float) -> Distributed:
     return Distributed(rank=state.process_index, world_size=state.num_processes, local_rank=state.local_process_index)
 
 
+_BEFORE_SHUTDOWN: list = []
+"""Callbacks :func:`shutdown_distributed` runs first (an inference engine with process groups of its own)."""
+
+
+def before_shutdown(callback) -> None:
+    """Run ``callback()`` before the process group is destroyed (once; e.g. ``VLLMEngine.close``, whose own groups
+    must go first)."""
+    _BEFORE_SHUTDOWN.append(callback)
+
+
 def shutdown_distributed() -> None:
     """Destroy the process group, if one is up (idempotent). A process that exits with its gloo group alive can
     die in ``std::terminate`` (SIGABRT) while the interpreter tears down (pytorch#190489), so
-    :func:`marft.launch.main` calls this when training ends and :func:`init_distributed` registers it at exit."""
+    :func:`marft.launch.main` calls this when training ends and :func:`init_distributed` registers it at exit.
+    Callbacks given to :func:`before_shutdown` run first."""
+    while _BEFORE_SHUTDOWN:
+        _BEFORE_SHUTDOWN.pop()()
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()

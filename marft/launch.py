@@ -85,6 +85,7 @@ def validate(config: TrainConfig):
     check_output_dir(config.runner.output_dir)
     check_fresh_run_dir(config)
     check_processes(config)
+    check_generation_backend(config)
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
     make_train_env, make_eval_env = build_env_factories(config, profile)
@@ -100,6 +101,20 @@ def validate(config: TrainConfig):
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
+
+
+def check_generation_backend(config: TrainConfig) -> None:
+    """``--generation_backend vllm`` needs vLLM importable and a LoRA rank vLLM serves: said before anything loads."""
+    if config.model.generation_backend != "vllm":
+        return
+    import importlib.util
+
+    from marft.agents.vllm_backend import VLLM_INSTALL, engine_lora_rank
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"--generation_backend vllm needs vLLM, which is not installed: {VLLM_INSTALL}; "
+                         "or use --generation_backend decode_loop (the default)")
+    engine_lora_rank(config.model.lora_r)
 
 
 def check_frozen_roles(config: TrainConfig, profile) -> None:

@@ -35,6 +35,7 @@ class TurnOutput:
     texts: list[str]  # decoded replies, stripped
     values: torch.Tensor | None = None  # (B,) critic value of the prompt (None when not asked for)
     token_values: torch.Tensor | None = None  # (B, L) critic value before each reply token (token-level trainers)
+    sampling_logprobs: torch.Tensor | None = None  # (B, L) an inference engine's log-probs of the sampled ids (None: the trainer's own sampled them)
 
 
 @dataclass
@@ -59,8 +60,10 @@ class TurnBatch:
     token_advantages: torch.Tensor | None = None  # (B, L)
     token_returns: torch.Tensor | None = None  # (B, L)
     ref_logprobs: torch.Tensor | None = None  # (B, L) token log-probs under the KL reference policy
+    sampling_logprobs: torch.Tensor | None = None  # (B, L) the inference engine's log-probs of the sampled ids (vllm; else equal to logprobs)
 
-    RESPONSE_FIELDS = ("response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns", "ref_logprobs")
+    RESPONSE_FIELDS = ("response_ids", "response_mask", "logprobs", "token_values", "token_advantages", "token_returns", "ref_logprobs",
+                       "sampling_logprobs")
     """The fields with a reply dimension L (trimmed together)."""
 
     def fields(self) -> dict[str, torch.Tensor]:
@@ -93,3 +96,39 @@ class TurnBatch:
                 if name in out:
                     out[name] = out[name][:, :end]
         return TurnBatch(**{name: value.to(device) for name, value in out.items()})
+
+
+@dataclass
+class EngineGap:
+    """The rollout–trainer mismatch of an inference engine's replies: per reply token, ``|engine log-prob − trainer
+    log-prob|`` (its sum, count and max) and the largest probability ratio ``exp(trainer − engine)`` of a token and of
+    a whole reply, accumulated over a rollout. A growing gap is the known cause of silent PPO collapse with engine
+    rollouts (``--rollout_correction`` corrects for it)."""
+
+    abs_sum: float = 0.0
+    tokens: int = 0
+    abs_max: float = 0.0
+    token_ratio_max: float = 0.0
+    reply_ratio_max: float = 0.0
+
+    def add(self, trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
+        """One batch: ``trainer, engine, mask`` of shape (B, L)."""
+        real = mask.bool()
+        if not real.any():
+            return
+        diff = (trainer.float() - engine.float()).cpu()[real.cpu()]  # (n,) real tokens
+        self.abs_sum += float(diff.abs().sum())
+        self.tokens += int(diff.numel())
+        self.abs_max = max(self.abs_max, float(diff.abs().max()))
+        self.token_ratio_max = max(self.token_ratio_max, float(diff.max().exp()))
+        per_reply = ((trainer.float() - engine.float()) * mask).sum(-1)  # (B,)
+        self.reply_ratio_max = max(self.reply_ratio_max, float(per_reply.max().exp()))
+
+    def take(self) -> dict[str, float]:
+        """The figures since the last call (empty when no engine sampled), for the logs; then start over."""
+        if not self.tokens:
+            return {}
+        figures = {"rollout/engine_logprob_gap_mean": self.abs_sum / self.tokens, "rollout/engine_logprob_gap_max": self.abs_max,
+                   "rollout/engine_token_ratio_max": self.token_ratio_max, "rollout/engine_reply_ratio_max": self.reply_ratio_max}
+        self.__init__()
+        return figures

@@ -73,6 +73,7 @@ RULES: dict[str, Range] = {
     # model
     "n_agents": AT_LEAST_1, "lora_r": AT_LEAST_1, "lora_alpha": AT_LEAST_1, "lora_dropout": Range(0, 1, high_open=True),
     "max_new_tokens": AT_LEAST_1, "context_window": Range(2), "temperature": POSITIVE, "top_k": NON_NEGATIVE,
+    "vllm_gpu_memory_utilization": Range(0, 1, low_open=True), "vllm_cpu_kv_cache_gib": AT_LEAST_1,
     # env
     "horizon": AT_LEAST_1, "max_turns": AT_LEAST_1,
     # algo
@@ -81,7 +82,7 @@ RULES: dict[str, Range] = {
     "clip_param": Range(0, 1, low_open=True, high_open=True), "clip_param_high": POSITIVE, "value_clip_param": NON_NEGATIVE, "huber_delta": POSITIVE, "value_loss_coef": NON_NEGATIVE,
     "entropy_coef": NON_NEGATIVE, "target_entropy": POSITIVE, "entropy_coef_step": NON_NEGATIVE, "max_grad_norm": POSITIVE, "gamma": UNIT, "gae_lambda": UNIT, "token_gamma": UNIT,
     "token_gae_lambda": UNIT, "target_kl": POSITIVE, "warmup_steps": NON_NEGATIVE, "agent_iteration_interval": NON_NEGATIVE,
-    "max_consecutive_skips": NON_NEGATIVE,
+    "max_consecutive_skips": NON_NEGATIVE, "rollout_correction_cap": Range(1, low_open=True),
     # runner
     "n_rollout_threads": AT_LEAST_1, "episode_length": AT_LEAST_1, "num_env_steps": AT_LEAST_1, "seed": Range(0, MAX_SEED),
     "save_interval": NON_NEGATIVE, "save_every_minutes": NON_NEGATIVE, "log_interval": NON_NEGATIVE,

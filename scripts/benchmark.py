@@ -91,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sft_steps", type=int, default=0, help="learning: supervised warm-start steps of the adapters on the env's demonstrations before RL")
     p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
+    p.add_argument("--compare_backend", default=None, help="rollout: also time this --generation_backend on the same team and envs, "
+                   "the two taking turns repeat by repeat (e.g. --generation_backend decode_loop --compare_backend vllm)")
     build_parser(parser=p, defaults=BENCHMARK_DEFAULTS, exclude=("model_name_or_path",), flat=True)
     args = p.parse_args(argv)
     orchestrated = args.workflow == "orchestrated"
@@ -411,9 +413,11 @@ def bench_rollout(args) -> dict:
             profile["total"] = time.perf_counter() - start
         profile["other"] = profile["total"] - sum(v for k, v in profile.items() if k != "total")
         print("one rollout, seconds per phase: " + ", ".join(f"{k} {v:.3f}" for k, v in profile.items()), flush=True)
+    compared = compare_backends(args, runner) if args.compare_backend else {}
     return emit({
         "bench": "rollout",
         **setup_fields(args, team),
+        **compared,
         "tokens": tokens,
         "reply_tokens": reply_tokens,
         "marft_tokens_per_s": tokens / marft_s,
@@ -422,6 +426,48 @@ def bench_rollout(args) -> dict:
         "generate_no_lora_tokens_per_s": tokens / base_s,
         "profile_s": {k: round(v, 4) for k, v in profile.items()},
     })
+
+
+def compare_backends(args, runner) -> dict:
+    """Rollouts of the run's ``--generation_backend`` and of ``--compare_backend`` on the same team and envs, taking
+    turns for ``--repeats`` repeats after one warm-up each: ``{"backends": {name: reply tokens per second of whole
+    rollouts}}`` (sampling, scoring, critic values and env steps, as training runs them)."""
+    from marft.agents.backends import make_backend
+
+    team = runner.team
+    backends = {team.config.generation_backend: team.backend}
+    backends[args.compare_backend] = make_backend(args.compare_backend, team.headers, team.sampling, team.backend.logprobs_from_generate,
+                                                  config=team.config, previous=team.backend)
+    seconds, tokens = dict.fromkeys(backends, 0.0), dict.fromkeys(backends, 0)
+    for backend in backends.values():
+        team.backend = backend
+        runner.collector.collect()  # warm-up (an engine loads its adapters)
+    for r in range(args.repeats):
+        for name, backend in backends.items():
+            team.backend = backend
+            synchronize(team.device)
+            start = time.perf_counter()
+            buffer, _ = runner.collector.collect()
+            synchronize(team.device)
+            seconds[name] += time.perf_counter() - start
+            tokens[name] += int(buffer.response_mask.sum())
+            print(f"repeat {r}: {name} {tokens[name] / seconds[name]:.0f} reply tokens/s", flush=True)
+    team.backend = backends[team.config.generation_backend]
+    result = {"backends": {name: {"reply_tokens_per_s": round(tokens[name] / seconds[name], 1), "seconds": round(seconds[name], 3)}
+                           for name in backends}}
+    engine = getattr(backends.get("vllm"), "engine", None)
+    if engine is not None:  # what re-sending one updated adapter costs (written, loaded, the old version removed)
+        adapter, times = team.policy_adapters[0], []
+        for _ in range(args.repeats):
+            with torch.no_grad():
+                for p in team.adapter_parameters(adapter):
+                    p.mul_(1.0)  # an in-place write: the engine must take the adapter again
+            start = time.perf_counter()
+            engine.sync.request(adapter)
+            times.append(time.perf_counter() - start)
+        size = sum(p.numel() * p.element_size() for p in team.adapter_parameters(adapter))
+        result["adapter_sync"] = {"ms": round(1000 * sum(times) / len(times), 1), "adapter_mib": round(size / 2**20, 2)}
+    return result
 
 
 # ---------------------------------------------------------------------------- update

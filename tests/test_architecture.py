@@ -167,8 +167,8 @@ def test_functions_are_short_or_say_why():
 def test_every_implementation_table_has_exactly_the_choice_names():
     """Each choice flag's names (:mod:`marft.choices`) and the table that implements them agree."""
     from marft import choices
+    from marft.agents.backends import BACKEND_CLASSES
     from marft.agents.dtypes import TORCH_DTYPES
-    from marft.agents.generation import BACKEND_CLASSES
     from marft.algorithms import trainer_class
     from marft.algorithms.losses import NORMALIZERS
 

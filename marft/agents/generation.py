@@ -69,6 +69,7 @@ class SampledReplies:
     response_mask: torch.Tensor  # (B, L) 1 on each reply token up to and including the first EOS
     logprobs: torch.Tensor | None  # (B, L) log-probs of the sampled ids under the sampling distribution, 0 at padding; None: score them with a forward
     settings: SamplingSettings  # what they were sampled with
+    engine_logprobs: torch.Tensor | None = None  # (B, L) an inference engine's own log-probs of the sampled ids, 0 at padding (vllm only)
 
 
 class GenerationBackend(Protocol):
@@ -244,16 +245,3 @@ class DecodeLoop:
             next_position = next_position + 1
         response_mask = reply_mask(response_ids, s.eos_id, generated)
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
-
-
-BACKEND_CLASSES = {"decode_loop": DecodeLoop, "generate": TransformersGenerate}
-"""``--generation_backend`` (:data:`marft.choices.GENERATION_BACKENDS`) → the backend class: ``decode_loop``, marft's
-own sampling loop (the default; the same ids and log-probs as generate for a seed on CPU); ``generate``,
-transformers' ``model.generate`` (the reference and fallback)."""
-
-
-def make_backend(name: str, headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool) -> GenerationBackend:
-    """The generation backend named ``name`` (:data:`BACKEND_CLASSES`)."""
-    if name not in BACKEND_CLASSES:
-        raise ValueError(f"--generation_backend must be one of {', '.join(BACKEND_CLASSES)}, got {name!r}")
-    return BACKEND_CLASSES[name](headers, settings, logprobs_from_generate)

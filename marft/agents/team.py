@@ -29,17 +29,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
 from marft.agents.adapters import AdapterBank, adapter_name_for
+from marft.agents.backends import make_backend
 from marft.agents.critic import CRITIC_ADAPTER, Critic
-from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings, make_backend
+from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
 from marft.config import ModelConfig
-from marft.types import ReplyScores, TurnOutput
+from marft.types import EngineGap, ReplyScores, TurnOutput
 
 SHARED_ADAPTER = "shared"
 REFERENCE_PREFIX = "ref_"
@@ -91,8 +93,11 @@ class AgentTeam(nn.Module):
         self.headers = RoleHeaderCache(self.bank, self.prompts.header_ids, self.pad_id, self._device, config.unpadded_forward)
         self.sampling = SamplingSettings(config.temperature, config.top_k, config.max_new_tokens, self.eos_id, self.pad_id)
         self.backend: GenerationBackend = make_backend(
-            config.generation_backend, self.headers, self.sampling, logprobs_from_generate=next(base_model.parameters()).dtype == torch.float32
+            config.generation_backend, self.headers, self.sampling, logprobs_from_generate=next(base_model.parameters()).dtype == torch.float32,
+            config=config,
         )
+        self.engine_gap = EngineGap()
+        """The rollout–trainer log-prob gap of an inference engine's replies since the last :meth:`EngineGap.take`."""
         hidden = base_model.config.get_text_config().hidden_size
         self.critic = Critic(self.headers, agent_critics, hidden, self._device, config.merge_lora_in_rollout) if with_critic else None
         self.reference_adapters: dict[str, str] = {}
@@ -241,7 +246,8 @@ class AgentTeam(nn.Module):
         so a backend may run its role header once for the batch); with ``--merge_lora_in_rollout`` (float32)
         the adapter is folded into the base weights meanwhile (:meth:`AdapterBank.merged`)."""
         self.bank.route(adapter)
-        with self.bank.merged_if(adapter, self.config.merge_lora_in_rollout):
+        fold = self.config.merge_lora_in_rollout and getattr(self.backend, "uses_team_forward", True)
+        with self.bank.merged_if(adapter, fold):
             return self.backend.sample(prompt_ids, prompt_mask, agent)
 
     @torch.no_grad()
@@ -262,13 +268,37 @@ class AgentTeam(nn.Module):
             logprobs = self.response_logprobs(
                 adapter, prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, agents=torch.full((len(prompt_ids),), agent)
             ).logprobs
+        if replies.engine_logprobs is not None:
+            self.engine_gap.add(logprobs, replies.engine_logprobs, replies.response_mask)
         return TurnOutput(prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, logprobs,
-                          self.decode(replies.response_ids, replies.response_mask))
+                          self.decode(replies.response_ids, replies.response_mask), sampling_logprobs=replies.engine_logprobs)
 
     def set_top_k(self, top_k: int) -> None:
         """Sample among the ``top_k`` most likely tokens from now on (1: greedy replies, for an evaluation)."""
         self.sampling = dataclasses.replace(self.sampling, top_k=top_k)
-        self.backend = make_backend(self.config.generation_backend, self.headers, self.sampling, self.backend.logprobs_from_generate)
+        self.backend = make_backend(self.config.generation_backend, self.headers, self.sampling, self.backend.logprobs_from_generate,
+                                    config=self.config, previous=self.backend)
+
+    @contextmanager
+    def rollout(self):
+        """Around a rollout: an engine backend takes its memory back before it and frees it after (``--vllm_sleep``);
+        the engine's figures start over (:meth:`rollout_figures`)."""
+        started, ended = getattr(self.backend, "rollout_started", None), getattr(self.backend, "rollout_ended", None)
+        self.rollout_figures()
+        if started:
+            started()
+        try:
+            yield
+        finally:
+            if ended:
+                ended()
+
+    def rollout_figures(self) -> dict[str, float]:
+        """An inference engine's figures since the last call (:class:`~marft.types.EngineGap`, adapter syncs); empty
+        for the backends that sample with the team's own model."""
+        figures = self.engine_gap.take()
+        take = getattr(self.backend, "take_figures", None)
+        return {**figures, **(take() if take else {})}
 
     def decode(self, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
         rows = [ids[m.bool()].tolist() for ids, m in zip(response_ids.cpu(), response_mask.cpu())]

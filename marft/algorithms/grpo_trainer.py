@@ -68,7 +68,8 @@ class GRPOTrainer(PPOTrainer):
         token_logp, token_entropy = self.score_replies(adapter, mb)  # (B, L), (B, L)
         mask = mb.response_mask.float()
         advantages = mb.advantages.unsqueeze(-1).expand_as(token_logp)  # (B, L): the reply's advantage on each token
-        loss, stats = clipped_policy_loss(token_logp, mb.logprobs, advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high)
+        loss, stats = clipped_policy_loss(token_logp, mb.logprobs, advantages, self.config.clip_param, weights=mask, clip_param_high=self.config.clip_param_high,
+                                          correction=self.rollout_correction(mb, per_token=True))
         entropy = (token_entropy * mask).sum() / mask.sum().clamp(min=1)
         self.add_reference_kl(token_logp, mb, stats)
         return loss, entropy, stats

@@ -21,7 +21,25 @@ def normalize_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor, n_words
     return NORMALIZERS[mode]((token_logprobs * mask).sum(-1), mask, n_words)
 
 
-def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None, clip_param_high: float | None = None):
+def rollout_correction_weights(old_logp: torch.Tensor, sampling_logp: torch.Tensor | None, mode: str, cap: float) -> torch.Tensor | None:
+    """Importance weights that correct the policy loss for replies an inference engine sampled from a slightly
+    different distribution than the trainer's (``--rollout_correction``): with ``r = exp(old_logp − sampling_logp)``
+    per reply (shape (B,), the summed tokens) or per token ((B, L)), ``truncate`` gives ``min(r, cap)`` (truncated
+    importance sampling), ``mask`` gives 1 where ``1/cap ≤ r ≤ cap`` and 0 elsewhere, ``none`` (or no engine
+    log-probs) gives None. Without gradient."""
+    if mode == "none" or sampling_logp is None:
+        return None
+    with torch.no_grad():
+        ratio = torch.exp((old_logp - sampling_logp).float().clamp(max=50.0))
+        if mode == "truncate":
+            return ratio.clamp(max=cap)
+        if mode == "mask":
+            return ((ratio <= cap) & (ratio >= 1.0 / cap)).float()
+    raise ValueError(f"unknown --rollout_correction {mode!r}; known: none, truncate, mask")
+
+
+def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None, clip_param_high: float | None = None,
+                        correction=None):
     """PPO's clipped surrogate (to minimise), plus diagnostics.
 
     Args: ``new_logp, old_logp, advantages`` of shape (B,) (or any common shape);
@@ -29,12 +47,16 @@ def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weigh
     the ratio is clipped to ``[1 - clip_param, 1 + clip_param_high]`` (``clip_param_high`` None: ``clip_param``;
     a larger upper bound is DAPO's clip-higher: an unlikely reply with a positive advantage may gain more
     probability per update, which keeps the policy exploring).
+    ``correction`` (broadcast to the same shape, or None): :func:`rollout_correction_weights`, multiplying each
+    entry's surrogate (not the average's denominator).
     Returns ``(loss, stats)`` with stats ``approx_kl``, ``clip_frac``, ``ratio``.
     """
     high = clip_param if clip_param_high is None else clip_param_high
     log_ratio = new_logp - old_logp
     ratio = torch.exp(log_ratio)
     surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 1 - clip_param, 1 + high) * advantages)
+    if correction is not None:
+        surrogate = surrogate * correction
     w = torch.ones_like(ratio) if weights is None else weights
     denom = w.sum().clamp(min=1)
     loss = -(surrogate * w).sum() / denom

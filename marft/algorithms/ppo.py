@@ -17,7 +17,7 @@ from contextlib import nullcontext
 import torch
 
 from marft.agents.team import AgentTeam
-from marft.algorithms.losses import clipped_policy_loss, normalize_logprobs
+from marft.algorithms.losses import clipped_policy_loss, normalize_logprobs, rollout_correction_weights
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
 from marft.faults import TrainingStopped
@@ -147,10 +147,29 @@ class PPOTrainer:
         mask = mb.response_mask.float()
         new_logp = normalize_logprobs(token_logp, mask, mb.n_words, cfg.normalization_mode)  # (B,)
         old_logp = normalize_logprobs(mb.logprobs, mask, mb.n_words, cfg.normalization_mode)  # (B,)
-        loss, stats = clipped_policy_loss(new_logp, old_logp, mb.advantages, cfg.clip_param, clip_param_high=cfg.clip_param_high)
+        correction = self.rollout_correction(mb, per_token=False)
+        loss, stats = clipped_policy_loss(new_logp, old_logp, mb.advantages, cfg.clip_param, clip_param_high=cfg.clip_param_high,
+                                          correction=correction)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
         self.add_reference_kl(token_logp, mb, stats)
         return loss, entropy, stats
+
+    def rollout_correction(self, mb: TurnBatch, per_token: bool) -> torch.Tensor | None:
+        """``--rollout_correction`` weights of the minibatch's replies sampled by an inference engine: per reply
+        ``(B,)`` from the summed token log-probs, or per token ``(B, L)`` (zero at padding); None without an
+        engine. Counts the replies (tokens) whose weight differs from their ratio (truncated or masked)."""
+        if mb.sampling_logprobs is None:
+            return None
+        mask = mb.response_mask.float()  # (B, L)
+        old, sampled = mb.logprobs * mask, mb.sampling_logprobs * mask
+        if not per_token:
+            old, sampled = old.sum(-1), sampled.sum(-1)  # (B,)
+        weights = rollout_correction_weights(old, sampled, self.config.rollout_correction, self.config.rollout_correction_cap)
+        if weights is not None:
+            changed = (weights != torch.exp(old - sampled)) & (mask.bool() if per_token else mask.sum(-1) > 0)
+            self.counters["rollout_corrected"] = self.counters.get("rollout_corrected", 0) + int(changed.sum())
+            weights = weights * mask if per_token else weights
+        return weights
 
     def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict) -> None:
         """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with

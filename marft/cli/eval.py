@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from marft.choices import GENERATION_BACKENDS
 from marft.cli.common import int_list, parser, run
 
 
@@ -23,6 +24,8 @@ def build_parser():
     p.add_argument("--greedy", action="store_true", help="also report the success of one greedy pass per task (top-k 1)")
     p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
+    p.add_argument("--generation_backend", choices=list(GENERATION_BACKENDS),
+                   help="what samples the replies (default: the run's; vllm needs vLLM installed, see docs/scaling.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--versus_random", metavar="ROLE", help="self-play games: the random-legal-move player moves for ROLE; "
                    "the game figures are the other role's against it")
@@ -48,6 +51,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
     config, _ = checkpoint_config(args.load_path)
     if args.device:
         config.model.device = args.device
+    if args.generation_backend:
+        config.model.generation_backend = args.generation_backend
     if args.env_name:
         config.env.env_name = args.env_name
     if args.dataset_path:

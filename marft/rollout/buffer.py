@@ -15,6 +15,7 @@ P = max prompt length, L = max_new_tokens):
 * ``prompt_ids, prompt_mask``      (T, E, S, P)  left-padded prompt of each turn
 * ``response_ids, response_mask``  (T, E, S, L)  right-padded reply (mask through the first EOS)
 * ``logprobs``                     (T, E, S, L)  token log-probs at sampling time
+* ``sampling_logprobs``            (T, E, S, L)  an inference engine's log-probs of the same tokens (vllm), or None
 * ``values``                       (T + 1, E, S) critic values; ``values[T, :, 0]`` bootstraps (the value of
                                                  each env's next turn)
 * ``agent_rewards``                (T, E, N)     the env's per-agent rewards of step t
@@ -74,6 +75,9 @@ class RolloutBuffer:
         self.token_values = torch.zeros((T, E, S, L))
         self.token_advantages = torch.zeros((T, E, S, L))
         self.token_returns = torch.zeros((T, E, S, L))
+        self.sampling_logprobs: torch.Tensor | None = None
+        """(T, E, S, L) an inference engine's log-probs of the sampled tokens (``--generation_backend vllm``); None
+        while every turn was sampled by the trainer's own model (then they equal ``logprobs``)."""
 
     @property
     def played(self) -> torch.Tensor:
@@ -103,6 +107,12 @@ class RolloutBuffer:
         self.response_ids[step, at, slot] = turn.response_ids.cpu()
         self.response_mask[step, at, slot] = turn.response_mask.cpu()
         self.logprobs[step, at, slot] = turn.logprobs.float().cpu()
+        if turn.sampling_logprobs is not None:
+            if self.sampling_logprobs is None:
+                self.sampling_logprobs = self.logprobs.clone()
+            self.sampling_logprobs[step, at, slot] = turn.sampling_logprobs.float().cpu()
+        elif self.sampling_logprobs is not None:
+            self.sampling_logprobs[step, at, slot] = self.logprobs[step, at, slot]
         if turn.values is not None:
             self.values[step, at, slot] = turn.values.float().cpu()
         if turn.token_values is not None:
@@ -140,6 +150,8 @@ class RolloutBuffer:
         agents = [agents] if isinstance(agents, int) else list(agents)
         fields = self.TOKEN_FIELDS if token_level else self.ACTION_FIELDS
         rows = [(self.agent == a).flatten() for a in agents]  # per agent, (T·E·S,)
+        if self.sampling_logprobs is not None:
+            fields = (*fields, "sampling_logprobs")
         samples = {name: torch.cat([getattr(self, name).flatten(0, 2)[mine] for mine in rows]) for name in fields}
         if not token_level:
             samples["values"] = torch.cat([self.values[:-1].flatten(0, 2)[mine] for mine in rows])

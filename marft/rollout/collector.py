@@ -55,8 +55,10 @@ class RolloutCollector:
         """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer; returns it with
         the rollout's figures (``charts/...``; ``invalid_orchestrator_replies``: orchestrator replies with neither a
         known call nor ``<done/>``)."""
-        with self.team.headers.frozen():  # role headers run once per rollout
-            return self._collect(iteration)
+        with self.team.headers.frozen(), self.team.rollout():  # role headers run once per rollout; an engine wakes for it
+            buffer, stats = self._collect(iteration)
+        stats.update(self.team.rollout_figures())  # an inference engine's log-prob gap and adapter syncs (vllm)
+        return buffer, stats
 
     def start_group_round(self, iteration: int, round_index: int) -> None:
         """Reset every env for a round of group episodes (GRPO): envs ``g·G .. g·G + G - 1`` get
