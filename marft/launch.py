@@ -105,16 +105,10 @@ def validate(config: TrainConfig):
 
 def check_generation_backend(config: TrainConfig) -> None:
     """``--generation_backend vllm`` needs vLLM importable and a LoRA rank vLLM serves: said before anything loads."""
-    if config.model.generation_backend != "vllm":
-        return
-    import importlib.util
+    if config.model.generation_backend == "vllm":
+        from marft.agents.vllm_backend import check_vllm
 
-    from marft.agents.vllm_backend import VLLM_INSTALL, engine_lora_rank
-
-    if importlib.util.find_spec("vllm") is None:
-        raise ValueError(f"--generation_backend vllm needs vLLM, which is not installed: {VLLM_INSTALL}; "
-                         "or use --generation_backend decode_loop (the default)")
-    engine_lora_rank(config.model.lora_r)
+        check_vllm(config.model)
 
 
 def check_frozen_roles(config: TrainConfig, profile) -> None:

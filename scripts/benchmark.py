@@ -436,8 +436,9 @@ def compare_backends(args, runner) -> dict:
 
     team = runner.team
     backends = {team.config.generation_backend: team.backend}
-    backends[args.compare_backend] = make_backend(args.compare_backend, team.headers, team.sampling, team.backend.logprobs_from_generate,
-                                                  config=team.config, previous=team.backend)
+    float32 = next(team.model.parameters()).dtype == torch.float32  # the backends that sample with the team's model record log-probs as they go
+    backends[args.compare_backend] = make_backend(args.compare_backend, team.headers, team.sampling, float32, config=team.config,
+                                                  previous=team.backend)
     seconds, tokens = dict.fromkeys(backends, 0.0), dict.fromkeys(backends, 0)
     for backend in backends.values():
         team.backend = backend

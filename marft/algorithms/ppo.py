@@ -155,20 +155,29 @@ class PPOTrainer:
         return loss, entropy, stats
 
     def rollout_correction(self, mb: TurnBatch, per_token: bool) -> torch.Tensor | None:
-        """``--rollout_correction`` weights of the minibatch's replies sampled by an inference engine: per reply
-        ``(B,)`` from the summed token log-probs, or per token ``(B, L)`` (zero at padding); None without an
-        engine. Counts the replies (tokens) whose weight differs from their ratio (truncated or masked)."""
+        """``--rollout_correction`` weights of the minibatch's replies sampled by an inference engine, for a loss
+        per reply (``per_token`` False: ``(B,)``) or per token (``(B, L)``, zero at padding): ``truncate`` weighs
+        by the reply's probability ratio (its token log-probs combined by ``--normalization_mode``, as the PPO
+        ratio is) or each token's, ``mask`` always keeps or drops whole replies. None without an engine. Counts the replies (tokens) truncated or dropped, once per
+        PPO epoch that sees them (``counters/rollout_corrected``)."""
         if mb.sampling_logprobs is None:
             return None
+        cfg = self.config
         mask = mb.response_mask.float()  # (B, L)
-        old, sampled = mb.logprobs * mask, mb.sampling_logprobs * mask
-        if not per_token:
-            old, sampled = old.sum(-1), sampled.sum(-1)  # (B,)
-        weights = rollout_correction_weights(old, sampled, self.config.rollout_correction, self.config.rollout_correction_cap)
-        if weights is not None:
-            changed = (weights != torch.exp(old - sampled)) & (mask.bool() if per_token else mask.sum(-1) > 0)
-            self.counters["rollout_corrected"] = self.counters.get("rollout_corrected", 0) + int(changed.sum())
-            weights = weights * mask if per_token else weights
+        old, sampled = mb.logprobs * mask, mb.sampling_logprobs * mask  # (B, L)
+        if not per_token:  # the reply's ratio as the PPO ratio forms it (--normalization_mode)
+            old = normalize_logprobs(mb.logprobs, mask, mb.n_words, cfg.normalization_mode)  # (B,)
+            sampled = normalize_logprobs(mb.sampling_logprobs, mask, mb.n_words, cfg.normalization_mode)
+        elif cfg.rollout_correction == "mask":
+            old, sampled = old.sum(-1), sampled.sum(-1)  # (B,) whole replies
+        weights = rollout_correction_weights(old, sampled, cfg.rollout_correction, cfg.rollout_correction_cap)
+        if weights is None:
+            return None
+        real = mask.bool() if weights.dim() == 2 else mask.sum(-1) > 0
+        changed = (weights == 0 if cfg.rollout_correction == "mask" else weights < torch.exp(old - sampled)) & real
+        self.counters["rollout_corrected"] = self.counters.get("rollout_corrected", 0) + int(changed.sum())
+        if per_token:
+            weights = (weights if weights.dim() == 2 else weights[:, None]) * mask  # (B, L)
         return weights
 
     def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict) -> None:
@@ -238,7 +247,8 @@ class PPOTrainer:
         if agents and not self.config.update_on_constant_rewards and not self.informative(buffer):
             self.counters["constant_reward_batches"] += 1
             agents = []
-        out_of_topk = self.counters["out_of_topk_tokens"]
+        summed = ("out_of_topk_tokens", "rollout_corrected")  # counted per process, kept as the sum over processes
+        before = {key: self.counters.get(key, 0) for key in summed}
         with self.team.bank.lora_dropout_active():
             metrics = self.update_critics(buffer)
             for adapter, group in self.adapter_groups(agents).items():
@@ -248,8 +258,10 @@ class PPOTrainer:
                     metrics[f"agent_{label}/{key}"] = value
         self.team.set_active(None)
         if self.dist.enabled:  # counted over all processes, so every process keeps the same counters
-            (counted,) = self.dist.sum_floats([self.counters["out_of_topk_tokens"] - out_of_topk])
-            self.counters["out_of_topk_tokens"] = out_of_topk + int(counted)
+            counted = self.dist.sum_floats([self.counters.get(key, 0) - before[key] for key in summed])
+            for key, count in zip(summed, counted):
+                if key in self.counters or count:
+                    self.counters[key] = before[key] + int(count)
         return metrics
 
     def update_critics(self, buffer: RolloutBuffer) -> dict[str, float]:
@@ -386,6 +398,7 @@ class PPOTrainer:
         self.consecutive_skips[name] = 0
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.team.bank.mark_changed(name)  # an engine serving the adapter takes it again
         return float(grad_norm)
 
     def update_policy(self, adapter: str, samples: TurnBatch) -> dict[str, float]:

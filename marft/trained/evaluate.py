@@ -79,13 +79,14 @@ def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test")
     own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``, the env on ``split``. Only what a trained team needs
     is checked (the profile, the model, the device, the held-out env), not the training data or run folder."""
     from marft.envs.profile import load_profile
-    from marft.launch import build_env_factories, build_team, probe_env
+    from marft.launch import build_env_factories, build_team, check_generation_backend, probe_env
     from marft.models.loading import check_model_path
     from marft.training.checkpoint import load_checkpoint
     from marft.validation import check_device
 
     config.check()
     check_device(config.model.device)
+    check_generation_backend(config)
     profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
     check_model_path(config.model.model_name_or_path)
     _, make_eval_env = build_env_factories(config, profile, eval_split=split)

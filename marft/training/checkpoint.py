@@ -209,6 +209,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
     optimizers = _read(path / "optimizers.pt", lambda f: torch.load(f, map_location=team.device, weights_only=True))
     for adapter, weights in adapters.items():
         result = set_peft_model_state_dict(team.model, weights, adapter_name=adapter)
+        team.bank.mark_changed(adapter)
         if getattr(result, "unexpected_keys", None):
             raise CheckpointError(f"{path / adapter / 'adapter_model.safetensors'} holds weights this model does not have: {result.unexpected_keys[:3]}")
     for adapter, reference in team.reference_adapters.items():

@@ -380,8 +380,8 @@ class Runner:
             print(text, flush=True)
 
     SUMMED_OVER_PROCESSES = ("charts/rollout_tokens_per_s", "counters/reward_failures")
-    """Logged figures that add up over processes; the others are averaged (the trainer's counters, the env steps
-    and the losses of the shared weights are the same on every process)."""
+    """Logged figures that add up over processes; those named ``..._max`` take the largest, the others are averaged
+    (the trainer's counters, the env steps and the losses of the shared weights are the same on every process)."""
 
     def _over_processes(self, values: dict[str, float]) -> dict[str, float]:
         """One process: ``values`` as they are. Several: each key summed (:attr:`SUMMED_OVER_PROCESSES`) or
@@ -393,7 +393,12 @@ class Runner:
         for key in dict.fromkeys(k for share in shares for k in share):
             finite = [share[key] for share in shares if key in share and np.isfinite(share[key])]
             if finite:
-                out[key] = float(np.sum(finite)) if key in self.SUMMED_OVER_PROCESSES else float(np.mean(finite))
+                if key in self.SUMMED_OVER_PROCESSES:
+                    out[key] = float(np.sum(finite))
+                elif key.endswith("_max"):  # a largest value (e.g. rollout/engine_logprob_gap_max) is the largest anywhere
+                    out[key] = float(np.max(finite))
+                else:
+                    out[key] = float(np.mean(finite))
         return out
 
     def _log_eval(self, result: dict, step: int) -> None:
