@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from marft.agents.adapters import adapter_of
 from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.generation import SampledReplies, SamplingSettings, reply_mask
 from marft.distributed import before_shutdown
@@ -227,7 +228,7 @@ class AdapterSync:
         (``AdapterBank.mark_changed``; a fused optimizer writes without touching torch's counters), and torch counts
         every other in-place write to a tensor or its replacement."""
         if adapter not in self.parameters:
-            self.parameters[adapter] = [p for n, p in self.peft_model.named_parameters() if _adapter_of(n) == adapter]
+            self.parameters[adapter] = [p for n, p in self.peft_model.named_parameters() if adapter_of(n) == adapter]
         return (self.bank.revisions.get(adapter, 0), *((p.data_ptr(), p._version) for p in self.parameters[adapter]))
 
     def request(self, adapter: str):
@@ -272,12 +273,6 @@ class AdapterSync:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _adapter_of(parameter_name: str) -> str | None:
-    from marft.agents.adapters import adapter_of
-
-    return adapter_of(parameter_name)
 
 
 class VLLMGenerate:

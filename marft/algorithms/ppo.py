@@ -164,12 +164,13 @@ class PPOTrainer:
             return None
         cfg = self.config
         mask = mb.response_mask.float()  # (B, L)
-        old, sampled = mb.logprobs * mask, mb.sampling_logprobs * mask  # (B, L)
         if not per_token:  # the reply's ratio as the PPO ratio forms it (--normalization_mode)
             old = normalize_logprobs(mb.logprobs, mask, mb.n_words, cfg.normalization_mode)  # (B,)
             sampled = normalize_logprobs(mb.sampling_logprobs, mask, mb.n_words, cfg.normalization_mode)
-        elif cfg.rollout_correction == "mask":
-            old, sampled = old.sum(-1), sampled.sum(-1)  # (B,) whole replies
+        else:
+            old, sampled = mb.logprobs * mask, mb.sampling_logprobs * mask  # (B, L)
+            if cfg.rollout_correction == "mask":
+                old, sampled = old.sum(-1), sampled.sum(-1)  # (B,) whole replies
         weights = rollout_correction_weights(old, sampled, cfg.rollout_correction, cfg.rollout_correction_cap)
         if weights is None:
             return None
