@@ -107,6 +107,22 @@ def test_greedy_replies_are_decode_loops(team):
     assert torch.equal(greedy.response_mask, reference.response_mask)
 
 
+def test_a_rollout_larger_than_one_engine_step_samples_seeded_replies(team):
+    """More prompt tokens than the engine schedules in one step: vLLM's chunked prefill would split a prompt over
+    two steps and rewind its seeded generator, which a CPU generator refuses ("CPU Generator does not use
+    offset"); whole prompts per step sample every row, and a seeded rollout still repeats."""
+    long_histories = [f"Problem: What is {i} + {i + 1}?\n" + "Reasoner: I add the two numbers.\n" * 6 for i in range(96)]
+    scheduler = team.backend.engine.llm.llm_engine.vllm_config.scheduler_config
+    prompt_tokens = sum(len(ids) for ids in team.prompts.encode_rows(0, long_histories, [[] for _ in long_histories]))
+    assert prompt_tokens > scheduler.max_num_batched_tokens  # the rollout takes more than one step's budget
+    torch.manual_seed(4)
+    first = team.act(0, long_histories, [[] for _ in long_histories])
+    torch.manual_seed(4)
+    again = team.act(0, long_histories, [[] for _ in long_histories])
+    assert first.response_mask.sum(1).min() > 0 and torch.equal(first.response_ids, again.response_ids)
+    assert mean_gap(first) <= GAP
+
+
 def test_an_update_of_one_agent_resends_only_its_adapter(team):
     first, second = team.agent_adapters
     assert first != second
