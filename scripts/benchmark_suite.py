@@ -85,9 +85,13 @@ def run_row(row: dict, reads: str) -> dict:
     command = row["command"]
     with tempfile.TemporaryDirectory(prefix="marft-suite-") as run_dir:
         argv = shlex.split(command) + (["--output_dir", run_dir] if reads == "summary_json" else [])
+        assignments = {}
+        while "=" in argv[0] and argv[0].split("=", 1)[0].isidentifier():  # NAME=value before the command, as in a shell
+            name, value = argv.pop(0).split("=", 1)
+            assignments[name] = value
         if argv[0] == "python":
             argv[0] = sys.executable  # the interpreter running the suite (.venv's), as an activated venv would
-        env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **assignments}
         start = time.perf_counter()
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start

@@ -3,19 +3,24 @@ of it is live tensors rather than memory the allocator keeps after torch frees i
 
     python scripts/memory_phases.py --model random --hidden_size 768 --num_layers 12 --n_agents 4 --max_chunk_tokens 3200
     MALLOC_MMAP_THRESHOLD_=131072 python scripts/memory_phases.py ...   # glibc returning large blocks at once
+    python scripts/memory_phases.py --n_agents 4 --versus_agents 2 ...    # the extra cost of a larger team
 
 Takes ``scripts/benchmark.py``'s flags (its ``iteration`` setup) and runs ``--repeats + 1`` iterations. A thread
 reads the process's resident memory every millisecond and keeps the highest value per phase: ``generate`` (replies
 sampled), ``critic_values`` (rollout values), ``collect`` (the rest of the rollout), ``advantages``,
 ``update_critic``, ``update_policy``. ``live_tensor_mib`` counts the CPU tensors reachable after the last rollout,
-``resident_mib`` the resident memory then. Prints ONE line of JSON (MiB).
+``resident_mib`` the resident memory then. With ``--versus_agents N`` the same command with ``--n_agents N`` runs
+first in a process of its own, and ``extra_model_copies`` is the difference of the two peaks in copies of the base
+model's weights. Prints ONE line of JSON (MiB).
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -79,8 +84,21 @@ class PhasePeaks:
         setattr(obj, method, timed)
 
 
+def versus(argv: list[str], n_agents: int) -> dict:
+    """This script's result for the same flags with ``--n_agents n_agents``, from a process of its own (peak
+    resident memory is per process)."""
+    command = [sys.executable, __file__, *argv, "--n_agents", str(n_agents)]  # the last --n_agents wins
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main(argv=None) -> dict:
-    args = benchmark.parse_args(["iteration", *(sys.argv[1:] if argv is None else argv)])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--versus_agents", type=int, default=None)
+    known, argv = own.parse_known_args(argv)
+    other = versus(argv, known.versus_agents) if known.versus_agents is not None else None
+    args = benchmark.parse_args(["iteration", *argv])
     peaks = PhasePeaks()
     runner, _, _ = benchmark.build_runner(args)
     team, trainer = runner.team, runner.trainer
@@ -107,6 +125,9 @@ def main(argv=None) -> dict:
         "phase_peak_mib": {name: round(value, 1) for name, value in peaks.peaks.items()},
         **after_rollout,
     }
+    if other is not None:
+        result["versus"] = {key: other[key] for key in ("n_agents", "params_mib", "peak_mib", "phase_peak_mib")}
+        result["extra_model_copies"] = round((result["peak_mib"] - other["peak_mib"]) / other["params_mib"], 3)
     print(json.dumps(result), flush=True)
     return result
 

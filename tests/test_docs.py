@@ -104,3 +104,13 @@ def test_the_readme_is_a_landing_page():
     assert "calibrate" not in readme, "calibration readings belong in the generated benchmarks page"
     assert ".venv/bin/python -m pytest -q tests" in readme  # the test command CI runs (.ci/run)
 
+
+
+def test_a_suite_row_sets_the_environment_its_command_names():
+    """A row's command as a user types it in a shell, ``NAME=value python ...``: the suite runs it with that variable
+    set (the memory suite's ``MALLOC_MMAP_THRESHOLD_``) and the interpreter running the suite."""
+    import benchmark_suite
+
+    command = """MARFT_SUITE_PROBE=on python -c 'import json, os, sys; print(json.dumps({"probe": os.environ["MARFT_SUITE_PROBE"], "python": sys.executable}))'"""
+    row = benchmark_suite.run_row({"label": "probe", "command": command}, "last_json_line")
+    assert row["result"] == {"probe": "on", "python": sys.executable} and row["command"] == command

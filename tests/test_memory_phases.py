@@ -11,8 +11,8 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "memory_phases.py"
 
 
 @pytest.mark.slow
-def test_reports_each_phase_peak_and_the_live_tensors():
-    flags = ["--model", "random", "--hidden_size", "64", "--num_layers", "2", "--n_rollout_threads", "4", "--repeats", "1"]
+def test_reports_each_phase_peak_the_live_tensors_and_another_team_size():
+    flags = ["--model", "random", "--hidden_size", "64", "--num_layers", "2", "--n_rollout_threads", "4", "--repeats", "1", "--versus_agents", "3"]
     done = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -20,3 +20,6 @@ def test_reports_each_phase_peak_and_the_live_tensors():
     assert result["peak_mib"] == max(result["phase_peak_mib"].values()) >= result["resident_mib"] * 0.5
     assert 0 < result["params_mib"] <= result["live_tensor_mib"] < result["peak_mib"]
     assert result["n_agents"] == 2 and result["bench"] == "memory_phases"
+    other = result["versus"]  # the same flags with --n_agents 3, in a process of its own
+    assert other["n_agents"] == 3 and other["peak_mib"] > 0 and set(other["phase_peak_mib"]) == set(result["phase_peak_mib"])
+    assert result["extra_model_copies"] == round((result["peak_mib"] - other["peak_mib"]) / other["params_mib"], 3)

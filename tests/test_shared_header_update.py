@@ -41,15 +41,20 @@ def rollout(model_dir, algorithm, profile="planner_solver_verifier", context_win
     return team, trainer, buffer
 
 
-def gradients(team, trainer, buffer, shared: bool, monkeypatch) -> tuple[list[list[torch.Tensor]], int]:
+def gradients(team, trainer, buffer, shared: bool, monkeypatch, every_layer_at_once: bool = False) -> tuple[list[list[torch.Tensor]], int]:
     """First-step gradients of every policy adapter's update and of every critic's, with the role headers shared
-    (or each row running its own header, the plain forward), and how many header forwards ran."""
+    (or each row running its own header, the plain forward), and how many header forwards ran.
+    ``every_layer_at_once``: the rows' header keys/values formed for every layer before the forward (a
+    transformers cache) instead of layer by layer (``HeaderRows``)."""
     runs = []
     with monkeypatch.context() as patch:
         original = team.headers.forward_headers
         patch.setattr(team.headers, "forward_headers", lambda ids, mask: runs.append(len(ids)) or original(ids, mask))
         if not shared:
-            patch.setattr(team.headers, "rows_behind_headers", lambda agents, ids, mask: (None, ids, mask))
+            patch.setattr(team.headers, "rows_behind_headers", lambda agents, ids, mask, by_layer=False: (None, ids, mask))
+        elif every_layer_at_once:
+            behind = team.headers.rows_behind_headers
+            patch.setattr(team.headers, "rows_behind_headers", lambda agents, ids, mask, by_layer=False: behind(agents, ids, mask))
         results = []
         with team.bank.lora_dropout_active():
             for adapter, agents in trainer.adapter_groups(list(range(team.n_agents))).items():
@@ -99,6 +104,32 @@ def test_update_with_shared_role_headers_has_the_plain_forwards_gradients(random
     groups, reference = len(trainer.adapter_groups(list(range(team.n_agents)))), chunks if trainer.config.kl_coef else 0
     per_chunk = groups * (chunks + reference) + sum(chunks * len(team.critic.agents_of(c)) for c in team.critic_adapters)
     assert groups * (1 + reference) + len(team.critic_adapters) <= shared_runs <= per_chunk
+
+
+@pytest.mark.parametrize("algorithm,model", [("APPO", {}), ("TPPO", {"shared_lora": True})], ids=["appo", "tppo_shared_lora"])
+def test_header_rows_formed_layer_by_layer_change_nothing(random_model_dir, monkeypatch, algorithm, model):
+    """The rows' copies of the role headers' keys/values formed one layer at a time (``HeaderRows``: the memory of
+    B x C columns for one layer, not for the whole model) give bit-identical gradients of every policy and critic,
+    and bit-identical rollout values, to forming them for every layer first."""
+    from marft.agents.headers import HeaderRows
+
+    team, trainer, buffer = rollout(random_model_dir, algorithm, **model)
+    at_once, _ = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch, every_layer_at_once=True)
+    formed = []
+    with monkeypatch.context() as patch:
+        keys_values = HeaderRows.keys_values
+        patch.setattr(HeaderRows, "keys_values", lambda rows, index: formed.append(index) or keys_values(rows, index))
+        by_layer, _ = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
+    assert formed and set(formed) == set(range(team.model.config.num_hidden_layers))
+    assert len(by_layer) == len(at_once) > 0
+    for ours, theirs in zip(by_layer, at_once):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    samples = buffer.critic_samples()
+    batches = [(agent, samples.prompt_ids[samples.agent == agent], samples.prompt_mask[samples.agent == agent]) for agent in range(team.n_agents)]
+    with torch.no_grad():
+        team.headers.bank.route(team.critic.adapter_for(0))
+        states = [team.headers.decoder_states(*team.headers.behind_headers(batches, by_layer=by_layer), tail=1) for by_layer in (True, False)]
+    assert torch.equal(*states)
 
 
 def test_gradient_checkpointing_falls_back_to_the_plain_forward(random_model_dir, monkeypatch):
@@ -178,3 +209,20 @@ def _same_agents_in_every_chunk(minibatches, buffer):
             out.append((list(interleaved.chunk(chunks_per_minibatch)), *units))
         return out
     return wrapped
+
+
+def test_with_a_chunk_token_budget_every_chunk_runs_its_own_headers(random_model_dir, monkeypatch):
+    """``--max_chunk_tokens`` bounds what a chunk holds: the critic's chunks (rows of three agents behind their
+    headers) each run their own role headers, so no header's graph outlives its chunk (held over a minibatch, a
+    critic of n agents would hold n headers' activations), with the gradient of the shared forward."""
+    team, trainer, buffer = rollout(random_model_dir, "APPO")
+    shared, shared_runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
+    widest = buffer.prompt_mask.sum(-1).max() + buffer.response_mask.sum(-1).max() + max(map(len, team.headers.header_ids))
+    budget = int(widest) * 3  # about three rows a chunk
+    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget)
+    chunks = []
+    minibatches = trainer._minibatches
+    monkeypatch.setattr(trainer, "_minibatches", lambda s, k: [m for m in minibatches(s, k) if not chunks.append(len(m[0]))])
+    per_chunk, per_chunk_runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
+    assert per_chunk_runs == sum(chunks) > shared_runs  # one header forward per chunk (policies' and critic's)
+    assert_same_gradients(per_chunk, shared)

@@ -104,7 +104,7 @@ class Critic(nn.Module):
         cache = None
         if agent is not None:
             agents = torch.full((len(prompt_ids),), agent, dtype=torch.long) if isinstance(agent, int) else agent
-            cache, prompt_ids, prompt_mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)
+            cache, prompt_ids, prompt_mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask, by_layer=self.headers.reads_by_layer)
         if response_ids is not None:
             prompt_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L)
             prompt_mask = torch.cat([prompt_mask, response_mask], dim=1)
@@ -154,7 +154,8 @@ class Critic(nn.Module):
             self.headers.bank.route(critic)
             L = mine[0][1].response_ids.shape[1] if token_values else 0
             with self.headers.bank.merged_if(critic, self.merge_lora_in_rollout):  # the header and prompt forwards
-                cache, ids, mask = self.headers.behind_headers([(a, t.prompt_ids, t.prompt_mask) for a, t in mine])  # (ΣB, Hmax + S)
+                cache, ids, mask = self.headers.behind_headers(
+                    [(a, t.prompt_ids, t.prompt_mask) for a, t in mine], by_layer=self.headers.reads_by_layer)  # (ΣB, Hmax + S)
                 if token_values:
                     ids = torch.cat([ids, torch.cat([t.response_ids for _, t in mine])], dim=1)  # (ΣB, Hmax + S + L)
                     mask = torch.cat([mask, torch.cat([t.response_mask for _, t in mine])], dim=1)

@@ -24,19 +24,46 @@ def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def select_rows(cache, rows: torch.Tensor) -> None:
-    """Row b of every layer's keys/values becomes row ``rows[b]`` of the cache. (n, ...) → (B, ...).
+def pick_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Row b of the result is row ``rows[b]`` of ``tensor``. (n, ...) → (B, ...).
 
     Without gradients this is an index. Under autograd the rows are picked by a one-hot matrix product: the
     backward of an index adds the rows' gradients with atomic adds on CPU, in a different order from run to
     run, which made training irreproducible; the product's backward sums them in a fixed order."""
-    if not any(layer.keys.requires_grad or layer.values.requires_grad for layer in cache.layers):
-        cache.batch_select_indices(rows)
-        return
+    if not tensor.requires_grad:
+        return tensor[rows]
+    one_hot = nn.functional.one_hot(rows, len(tensor)).to(tensor.dtype)  # (B, n)
+    return (one_hot @ tensor.flatten(1)).view(len(rows), *tensor.shape[1:])
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Row b of every layer's keys/values becomes row ``rows[b]`` of the cache (:func:`pick_rows`). (n, ...) → (B, ...)."""
     for layer in cache.layers:
-        one_hot = nn.functional.one_hot(rows, len(layer.keys)).to(layer.keys.dtype)  # (B, n)
-        layer.keys = (one_hot @ layer.keys.flatten(1)).view(len(rows), *layer.keys.shape[1:])
-        layer.values = (one_hot @ layer.values.flatten(1)).view(len(rows), *layer.values.shape[1:])
+        layer.keys, layer.values = pick_rows(layer.keys, rows), pick_rows(layer.values, rows)
+
+
+class HeaderRows:
+    """The keys/values of n role headers and each of B rows' header, read one layer at a time: a forward on the
+    real tokens (:func:`~marft.agents.unpadded.unpadded_decoder_states`) forms a layer's ``(B, kv, C, d)`` rows
+    when it reaches that layer, so the rows' copies of the headers never exist for every layer at once (B·C
+    columns per layer instead of per model). :meth:`materialized` is the transformers cache of the rows, for
+    forwards that extend a cache."""
+
+    def __init__(self, cache: DynamicCache, rows: torch.Tensor):
+        self.cache, self.rows = cache, rows
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def keys_values(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s keys and values of the rows, ``(B, kv, C, d)`` each."""
+        layer = self.cache.layers[index]
+        return pick_rows(layer.keys, self.rows), pick_rows(layer.values, self.rows)
+
+    def materialized(self) -> DynamicCache:
+        """The rows' keys/values in a transformers cache (every layer formed now)."""
+        select_rows(self.cache, self.rows)
+        return self.cache
 
 
 class RoleHeaderCache:
@@ -166,7 +193,7 @@ class RoleHeaderCache:
         write it twice), so the rows would silently lose their header."""
         return not any(layer.training for layer in self.bank.checkpointed_layers)
 
-    def behind_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]]):
+    def behind_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], by_layer: bool = False):
         """Prompt batches of one or more agents, re-packed behind their agent's shared role header.
 
         Args: ``batches``: ``(agent, prompt_ids (B_n, P_n), prompt_mask (B_n, P_n))`` per agent, as the
@@ -177,13 +204,19 @@ class RoleHeaderCache:
         ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for _, ids, _ in batches])  # (ΣB, P)
         mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in batches])  # (ΣB, P)
         agents = torch.cat([torch.full((len(ids),), agent, dtype=torch.long) for agent, ids, _ in batches])  # (ΣB,)
-        return self.rows_behind_headers(agents, ids, mask)
+        return self.rows_behind_headers(agents, ids, mask, by_layer)
 
-    def rows_behind_headers(self, agents: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor):
+    @property
+    def reads_by_layer(self) -> bool:
+        """Whether :meth:`decoder_states` runs on the real tokens now, reading a :class:`HeaderRows` layer by layer."""
+        return self.unpadded_forward and self.sharable
+
+    def rows_behind_headers(self, agents: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, by_layer: bool = False):
         """Prompts of several agents, each row re-packed behind its agent's shared role header, in their own order.
 
         Args: ``agents (B,)``: each row's agent; ``prompt_ids (B, P)``, ``prompt_mask (B, P)`` as the prompt
-        encoder writes them (``[pads][header][rest]``).
+        encoder writes them (``[pads][header][rest]``); ``by_layer``: return the headers as :class:`HeaderRows`
+        (for :meth:`decoder_states` while :attr:`reads_by_layer`), not as a transformers cache of every row.
         Returns ``(cache, ids (B, Hmax + S), mask (B, Hmax + S))``, each row ``[header][pads][rest]``: the cache
         holds the Hmax header columns (:meth:`run`: one forward for the distinct agents, whatever the number
         of rows; its keys/values are indexed per row, so under autograd each header's backward receives the
@@ -208,10 +241,10 @@ class RoleHeaderCache:
             rest_mask[rows, width - mask.shape[1]:] = mask
         header_of_row = header_of_row.to(device)
         cache, header_ids, header_mask = self.run(distinct)
-        select_rows(cache, header_of_row)
         ids = torch.cat([header_ids[header_of_row], rest_ids], dim=1)
         mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
-        return cache, ids, mask
+        rows = HeaderRows(cache, header_of_row)
+        return (rows if by_layer else rows.materialized()), ids, mask
 
     def decoder_states(self, cache, ids: torch.Tensor, mask: torch.Tensor, tail: int) -> torch.Tensor:
         """Last hidden states of the active adapter's decoder at the last ``tail`` columns of ``ids (B, S)``, whose
@@ -225,8 +258,10 @@ class RoleHeaderCache:
         decoder = self.bank.model.get_base_model().get_decoder()
         positions = position_ids_from_mask(mask)[:, cached:]  # (B, S - cached)
         ids = ids[:, cached:]
-        if self.unpadded_forward and self.sharable:
+        if self.reads_by_layer:
             return unpadded_decoder_states(decoder, cache, ids, mask, positions, tail=tail)[0]  # (B, tail, H)
+        if isinstance(cache, HeaderRows):
+            cache = cache.materialized()
         return decoder(
             input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=cache is not None,
         ).last_hidden_state[:, -tail:]

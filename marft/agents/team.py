@@ -193,11 +193,12 @@ class AgentTeam(nn.Module):
         L = response_ids.shape[1]
         cache = None
         if agents is not None:
-            cache, prompt_ids, prompt_mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)  # (B, Hmax + S)
+            cache, prompt_ids, prompt_mask = self.headers.rows_behind_headers(
+                agents, prompt_ids, prompt_mask, by_layer=self.headers.reads_by_layer)  # (B, Hmax + S)
         input_ids = torch.cat([prompt_ids, response_ids], dim=1)  # (B, P + L), or behind the cached headers
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         cached = 0 if cache is None else cache.get_seq_length()
-        unpadded = self.headers.unpadded_forward and self.headers.sharable  # the matrix products skip the rows' pads
+        unpadded = self.headers.reads_by_layer  # the matrix products skip the rows' pads
         positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
         if unpadded:
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)

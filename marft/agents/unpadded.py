@@ -53,7 +53,8 @@ def unpadded_decoder_states(
     Args:
         decoder: the base model's decoder (``model.get_decoder()``; its modules carry the active adapter).
         cache: a transformers cache holding C columns of keys/values every row attends to first (shared role
-            headers, ``RoleHeaderCache``), or None. It is read, not extended.
+            headers, ``RoleHeaderCache``), or a ``HeaderRows`` that forms each layer's rows when read, or None.
+            It is read, not extended.
         ids: ``(B, S)`` the columns after the cache.
         mask: ``(B, C + S)`` 1 on real tokens, cache columns included.
         positions: ``(B, S)`` position ids of the S columns.
@@ -77,7 +78,7 @@ def unpadded_decoder_states(
     kept = []
     for index, layer in enumerate(layers):
         last_tail = tail if tail is not None and index == len(layers) - 1 else None
-        cached = None if cache is None else (cache.layers[index].keys, cache.layers[index].values)
+        cached = None if cache is None else _layer_keys_values(cache, index)
         hidden, keys_values = _decoder_layer(layer, hidden, layout, cached, heads, last_tail)
         if keep_keys_values:
             kept.append(keys_values)
@@ -85,6 +86,14 @@ def unpadded_decoder_states(
         hidden = layout.rows(hidden)[:, S - tail :]
     hidden = decoder.norm(hidden)
     return (hidden, layout.real, kept) if keep_keys_values else (hidden, layout.real)
+
+
+def _layer_keys_values(cache, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``index``'s cached ``(keys, values)``, each ``(B, kv, C, d)``, of a transformers cache or of a cache that
+    forms them on reading (``keys_values(index)``, :class:`marft.agents.headers.HeaderRows`)."""
+    if hasattr(cache, "keys_values"):
+        return cache.keys_values(index)
+    return cache.layers[index].keys, cache.layers[index].values
 
 
 class _RealTokens:

@@ -85,7 +85,7 @@ class APPOTrainer(PPOTrainer):
         for _ in range(cfg.ppo_epoch):
             for chunks, units, _ in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok = True
-                with team.headers.shared_over_chunks():
+                with self.headers_of_chunks():
                     for chunk in chunks:
                         mb = samples.rows(chunk).trimmed(team.device)
                         value_loss = self.value_loss(mb, critic)

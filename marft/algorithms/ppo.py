@@ -277,6 +277,13 @@ class PPOTrainer:
         counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
         return int(sum(counts[: self.dist.rank])), int(sum(counts)), len(set(counts)) == 1
 
+    def headers_of_chunks(self):
+        """The context a minibatch's chunks run in: each role header runs once for all of them (one forward and
+        backward per minibatch, its graph held until the minibatch ends), or, with ``--max_chunk_tokens``, once
+        per chunk, so that nothing of one chunk is held while the next runs and the budget bounds the update's
+        memory (a critic of n agents would otherwise hold n headers' graphs: their tokens' activations)."""
+        return self.team.headers.shared_over_chunks() if self.config.max_chunk_tokens is None else nullcontext()
+
     def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
         units and the reply tokens (the reference KL's units) of each minibatch summed over processes.
@@ -420,7 +427,7 @@ class PPOTrainer:
             epoch_kl = []
             for chunks, units, kl_units in self._minibatches(samples, cfg.gradient_cp_steps):
                 loss_ok = True
-                with team.headers.shared_over_chunks():  # each role header: one forward and backward per minibatch
+                with self.headers_of_chunks():
                     for chunk in chunks:
                         mb = samples.rows(chunk).trimmed(team.device)
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
