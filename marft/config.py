@@ -156,7 +156,7 @@ class AlgoConfig:
     gradient_cp_steps: int = 1
     """Gradient accumulation: each agent's minibatch is processed in this many chunks to save memory (the critic's, which holds every agent's turns, in n_agents times as many)."""
     max_chunk_tokens: Optional[int] = None
-    """Token budget of one gradient-accumulation chunk: each minibatch chunk (length-sorted rows) is cut further until its padded prompt+reply tokens (rows x longest prompt + rows x longest reply) fit, so peak update memory follows the budget, not the prompt lengths of later agents (a single longer row is its own chunk); each chunk then also runs its own role headers (none held over the minibatch). None: chunks of equal rows, each role header run once per minibatch."""
+    """Token budget of one gradient-accumulation chunk: each minibatch chunk (length-sorted rows) is cut further until its padded prompt+reply tokens (rows x longest prompt + rows x longest reply) fit, so peak update memory follows the budget, not the prompt lengths of later agents (a single longer row is its own chunk); each chunk then also runs its own role headers (none held over the minibatch; a header forward and backward per chunk, a little more compute). None: chunks of equal rows, each role header run once per minibatch."""
     clip_param: float = 0.2
     """PPO ratio clip range: the ratio is kept within [1 - clip_param, 1 + clip_param_high]."""
     clip_param_high: Optional[float] = None

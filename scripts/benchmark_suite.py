@@ -86,12 +86,15 @@ def run_row(row: dict, reads: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="marft-suite-") as run_dir:
         argv = shlex.split(command) + (["--output_dir", run_dir] if reads == "summary_json" else [])
         assignments = {}
-        while "=" in argv[0] and argv[0].split("=", 1)[0].isidentifier():  # NAME=value before the command, as in a shell
+        while argv and "=" in argv[0] and argv[0].split("=", 1)[0].isidentifier():  # NAME=value before the command, as in a shell
             name, value = argv.pop(0).split("=", 1)
-            assignments[name] = value
+            assignments[name] = os.path.expandvars(value)
+        if not argv:
+            raise ValueError(f"{command!r}: no command after the environment assignments")
         if argv[0] == "python":
             argv[0] = sys.executable  # the interpreter running the suite (.venv's), as an activated venv would
-        env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **assignments}
+        path = os.pathsep.join([str(ROOT)] + ([assignments.pop("PYTHONPATH")] if "PYTHONPATH" in assignments else []))
+        env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": path, **assignments}  # the repository stays importable
         start = time.perf_counter()
         done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start

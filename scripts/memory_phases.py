@@ -10,8 +10,8 @@ reads the process's resident memory every millisecond and keeps the highest valu
 sampled), ``critic_values`` (rollout values), ``collect`` (the rest of the rollout), ``advantages``,
 ``update_critic``, ``update_policy``. ``live_tensor_mib`` counts the CPU tensors reachable after the last rollout,
 ``resident_mib`` the resident memory then. With ``--versus_agents N`` the same command with ``--n_agents N`` runs
-first in a process of its own, and ``extra_model_copies`` is the difference of the two peaks in copies of the base
-model's weights. Prints ONE line of JSON (MiB).
+first in a process of its own, and ``extra_model_copies`` is the difference of the two peaks in copies of the other
+team's model (``params_mib``: the base weights with that team's adapters and critic). Prints ONE line of JSON (MiB).
 """
 
 from __future__ import annotations
@@ -88,8 +88,10 @@ def versus(argv: list[str], n_agents: int) -> dict:
     """This script's result for the same flags with ``--n_agents n_agents``, from a process of its own (peak
     resident memory is per process)."""
     command = [sys.executable, __file__, *argv, "--n_agents", str(n_agents)]  # the last --n_agents wins
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the --n_agents {n_agents} run failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> dict:
@@ -126,7 +128,7 @@ def main(argv=None) -> dict:
         **after_rollout,
     }
     if other is not None:
-        result["versus"] = {key: other[key] for key in ("n_agents", "params_mib", "peak_mib", "phase_peak_mib")}
+        result["versus"] = {key: other[key] for key in ("n_agents", "model", "n_envs", "max_chunk_tokens", "params_mib", "peak_mib", "phase_peak_mib")}
         result["extra_model_copies"] = round((result["peak_mib"] - other["peak_mib"]) / other["params_mib"], 3)
     print(json.dumps(result), flush=True)
     return result

@@ -114,3 +114,5 @@ def test_a_suite_row_sets_the_environment_its_command_names():
     command = """MARFT_SUITE_PROBE=on python -c 'import json, os, sys; print(json.dumps({"probe": os.environ["MARFT_SUITE_PROBE"], "python": sys.executable}))'"""
     row = benchmark_suite.run_row({"label": "probe", "command": command}, "last_json_line")
     assert row["result"] == {"probe": "on", "python": sys.executable} and row["command"] == command
+    with pytest.raises(ValueError, match="no command"):
+        benchmark_suite.run_row({"label": "only assignments", "command": "MARFT_SUITE_PROBE=on"}, "last_json_line")

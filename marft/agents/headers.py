@@ -37,7 +37,11 @@ def pick_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def select_rows(cache, rows: torch.Tensor) -> None:
-    """Row b of every layer's keys/values becomes row ``rows[b]`` of the cache (:func:`pick_rows`). (n, ...) → (B, ...)."""
+    """Row b of every layer's keys/values becomes row ``rows[b]`` of the cache (:func:`pick_rows`). (n, ...) → (B, ...).
+    Without gradients the cache's own selection (which also picks any other per-row state its layers keep)."""
+    if not any(layer.keys.requires_grad or layer.values.requires_grad for layer in cache.layers):
+        cache.batch_select_indices(rows)
+        return
     for layer in cache.layers:
         layer.keys, layer.values = pick_rows(layer.keys, rows), pick_rows(layer.values, rows)
 
@@ -45,9 +49,11 @@ def select_rows(cache, rows: torch.Tensor) -> None:
 class HeaderRows:
     """The keys/values of n role headers and each of B rows' header, read one layer at a time: a forward on the
     real tokens (:func:`~marft.agents.unpadded.unpadded_decoder_states`) forms a layer's ``(B, kv, C, d)`` rows
-    when it reaches that layer, so the rows' copies of the headers never exist for every layer at once (B·C
-    columns per layer instead of per model). :meth:`materialized` is the transformers cache of the rows, for
-    forwards that extend a cache."""
+    when it reaches that layer. Without gradients (the rollout's critic values, reference log-probs) the rows'
+    copies of the headers then never exist for every layer at once (B·C columns per layer instead of per model);
+    with gradients each layer's attention keeps its joined keys/values for the backward anyway, and what is saved
+    is the second, separate copy of every layer's header rows. :meth:`materialized` is the transformers cache of
+    the rows, for forwards that extend a cache."""
 
     def __init__(self, cache: DynamicCache, rows: torch.Tensor):
         self.cache, self.rows = cache, rows
