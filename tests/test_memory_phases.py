@@ -21,7 +21,8 @@ def test_reports_each_phase_peak_the_live_tensors_and_another_team_size():
     assert 0 < result["params_mib"] <= result["live_tensor_mib"] < result["peak_mib"]
     assert result["n_agents"] == 2 and result["bench"] == "memory_phases"
     other = result["versus"]  # the same flags with --n_agents 3, in a process of its own
-    assert other["n_agents"] == 3 and other["peak_mib"] > 0 and set(other["phase_peak_mib"]) == set(result["phase_peak_mib"])
+    phases = {"generate", "critic_values", "update_critic", "update_policy"}  # a phase shorter than the sampling interval may be missing
+    assert other["n_agents"] == 3 and other["peak_mib"] > 0 and phases <= set(other["phase_peak_mib"])
     assert (other["model"], other["n_envs"]) == (result["model"], result["n_envs"]) == ("random-h64-l2", 4)  # the parent's other flags
     assert other["params_mib"] > result["params_mib"]  # a third agent's adapter
     assert result["extra_model_copies"] == round((result["peak_mib"] - other["peak_mib"]) / other["params_mib"], 3)

@@ -343,6 +343,14 @@ class VLLMGenerate:
         self.engine.sleep()
 
 
+CPU_SCHEDULING = {"enable_chunked_prefill": False}
+"""vLLM on CPU schedules whole prompts per engine step (in steps of its default 4,096 tokens, or one whole prompt):
+a prompt split over two steps (chunked prefill) discards the first step's sample and rewinds the request's seeded
+generator, which a CPU generator cannot do (RuntimeError "CPU Generator does not use offset" once a rollout's
+prompts exceed one step). vLLM warns that the model does not officially support it; tests/vllm_engine_checks.py
+checks the replies."""
+
+
 class VLLMEngine:
     """The colocated engine and its adapter sync (shared by the backends one team makes).
 
@@ -381,12 +389,7 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=config.vllm_gpu_memory_utilization, enable_sleep_mode=config.vllm_sleep)
         else:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.vllm_cpu_kv_cache_gib))
-            # a prompt split over engine steps (chunked prefill) discards the first step's sample and rewinds the
-            # request's seeded generator, which a CPU generator cannot do (RuntimeError "CPU Generator does not use
-            # offset" once a rollout's prompts exceed one step's tokens): schedule whole prompts only, in steps of
-            # vLLM's CPU default of tokens (or one whole prompt); vLLM warns that the model does not officially
-            # support it, tests/vllm_engine_checks.py checks the replies
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(config.context_window, 4096))
+            kwargs.update(CPU_SCHEDULING, max_num_batched_tokens=max(config.context_window, 4096))
         self.root = Path(tempfile.mkdtemp(prefix="marft-vllm-", dir=ram_directory(weights)))
         rng = _rng_states()  # the engine seeds python, numpy and torch in this process: the run's streams go on after it
         try:  # (from here on a failure deletes the folder)
