@@ -126,6 +126,10 @@ FAKE_WORKER = textwrap.dedent(
             time.sleep(600)
         if prediction == "die":
             os._exit(3)
+        if prediction == "die slowly":  # its output closed before it exits, as a dying process's may be
+            os.close(1)
+            time.sleep(2)
+            os._exit(3)
         if prediction == "raise":
             raise RuntimeError("boom")
         return prediction == reference
@@ -143,6 +147,16 @@ def fake_grader(tmp_path):
     grader = MathGrader(timeout_s=3.0, worker_command=[sys.executable, str(script)], shortcut=False)
     yield grader
     grader.close()
+
+
+def test_a_worker_whose_output_ends_before_it_exits_died_and_did_not_time_out(fake_grader, caplog):
+    """The end of the worker's output is a crash even while the process has not exited yet (a loaded machine
+    reaps it later): an error right away, never a timeout, and the log does not claim the deadline passed."""
+    with caplog.at_level(logging.WARNING):
+        verdicts = fake_grader.grade_many(["\\boxed{die slowly}", "\\boxed{5}"], ["5", "5"])
+    assert verdicts == [False, True]
+    assert (fake_grader.stats.errors, fake_grader.stats.timeouts, fake_grader.stats.restarts) == (1, 0, 1)
+    assert "worker died" in caplog.text and "timed out" not in caplog.text
 
 
 @pytest.mark.slow

@@ -189,6 +189,8 @@ class MathGrader:
         self._proc: subprocess.Popen | None = None
         self._pid = os.getpid()
         self._buffer = b""
+        self._ended = False
+        """Whether the last :meth:`_read_line` that gave no line met the end of the worker's output (not its deadline)."""
         self._started = 0
 
     # ---- public API
@@ -269,15 +271,17 @@ class MathGrader:
         self._proc, self._buffer = None, b""
 
     def _read_line(self, timeout_s: float) -> str | None:
-        """Next line from the worker, or ``None`` on timeout or end of stream."""
+        """Next line from the worker, or ``None`` on timeout or end of stream (``self._ended`` says which)."""
         deadline = time.monotonic() + timeout_s
         fd = self._proc.stdout.fileno()
+        self._ended = False
         while b"\n" not in self._buffer:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
                 return None
             chunk = os.read(fd, 1 << 16)
             if not chunk:
+                self._ended = True  # the worker closed its output: it died (its exit may not be reaped yet)
                 return None
             self._buffer += chunk
         line, self._buffer = self._buffer.split(b"\n", 1)
@@ -295,15 +299,14 @@ class MathGrader:
         for k, (i, prediction, reference) in enumerate(todo):
             line = self._read_line(self.timeout_s)
             if line is None:
-                timed_out = proc.poll() is None
+                timed_out = not self._ended  # not proc.poll(): a process that closed its output may not have exited yet
                 if timed_out:
                     self.stats.timeouts += 1
                 else:
                     self.stats.errors += 1
                 logger.warning(
-                    "grading %s after %.1fs (graded wrong, worker restarted): prediction %r vs reference %r",
-                    "timed out" if timed_out else "worker died",
-                    self.timeout_s,
+                    "grading %s (graded wrong, worker restarted): prediction %r vs reference %r",
+                    f"timed out after {self.timeout_s:.1f}s" if timed_out else "worker died",
                     prediction[:200],
                     reference[:200],
                 )
