@@ -105,7 +105,6 @@ def test_the_readme_is_a_landing_page():
     assert ".venv/bin/python -m pytest -q tests" in readme  # the test command CI runs (.ci/run)
 
 
-
 def test_a_suite_row_sets_the_environment_its_command_names():
     """A row's command as a user types it in a shell, ``NAME=value python ...``: the suite runs it with that variable
     set (the memory suite's ``MALLOC_MMAP_THRESHOLD_``) and the interpreter running the suite."""
