@@ -57,11 +57,16 @@ import torch
 
 from marft.config import SECTIONS, AlgoConfig, TrainConfig, build_parser
 
-QWEN25_05B_SHAPE = dict(
-    hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-    vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True,
-)
-"""The shape of Qwen2.5-0.5B (random weights) for ``--model qwen2.5-0.5b-shape``."""
+SHAPED_MODELS = {
+    "qwen2.5-0.5b-shape": dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True),
+    "qwen2.5-1.5b-shape": dict(
+        hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+        vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0, tie_word_embeddings=True),
+}
+"""Real checkpoints' shapes (their ``config.json``) with random weights, for ``--model NAME``: the compute and memory
+of the real model where its weights cannot be fetched (no model hub here)."""
 
 GRPO_LEARNING_GROUPS = 8
 """Groups (tasks) per round in ``learning`` with GRPO: fewer tasks per update (4 groups of 4) learn far less
@@ -84,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     :data:`BENCHMARK_DEFAULTS`; ``--model`` stands for ``--model_name_or_path``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
-    p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, a model folder, 'random' (see --hidden_size) or 'qwen2.5-0.5b-shape' "
+    p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, a model folder, 'random' (see --hidden_size), 'qwen2.5-0.5b-shape' or 'qwen2.5-1.5b-shape' "
                    "(default: marft-tiny-instruct, whose warm start knows the tags and code, with --workflow orchestrated or --env_name code; else marft-tiny)")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
@@ -116,14 +121,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_path(args) -> str:
     """The model to load: a name/folder as given, or a freshly built random model."""
-    if args.model not in ("random", "qwen2.5-0.5b-shape"):
+    if args.model != "random" and args.model not in SHAPED_MODELS:
         return args.model
     from marft.models.tiny import build_random_model
 
     path = tempfile.mkdtemp(prefix="marft_bench_model_")
     if args.model == "random":
         return build_random_model(path, hidden_size=args.hidden_size, num_layers=args.num_layers)
-    return build_shaped_model(path, QWEN25_05B_SHAPE, args.dtype)
+    return build_shaped_model(path, SHAPED_MODELS[args.model], args.dtype)
 
 
 def build_shaped_model(path: str, shape: dict, dtype: str) -> str:
