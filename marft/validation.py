@@ -73,6 +73,7 @@ RULES: dict[str, Range] = {
     # model
     "n_agents": AT_LEAST_1, "lora_r": AT_LEAST_1, "lora_alpha": AT_LEAST_1, "lora_dropout": Range(0, 1, high_open=True),
     "max_new_tokens": AT_LEAST_1, "context_window": Range(2), "temperature": POSITIVE, "top_k": NON_NEGATIVE,
+    "max_logits_mib": NON_NEGATIVE,
     "vllm_gpu_memory_utilization": Range(0, 1, low_open=True), "vllm_cpu_kv_cache_gib": AT_LEAST_1,
     # env
     "horizon": AT_LEAST_1, "max_turns": AT_LEAST_1,

@@ -40,6 +40,7 @@ from marft.agents.critic import CRITIC_ADAPTER, Critic
 from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
+from marft.agents.reply_scores import chunked_token_scores, score_tokens
 from marft.config import ModelConfig
 from marft.types import EngineGap, ReplyScores, TurnOutput
 
@@ -187,7 +188,8 @@ class AgentTeam(nn.Module):
         distribution (``SamplingSettings.scoring_logits``), zero where the reply is padding, with ``--top_k``
         the count of reply tokens outside the top k, and how many positions the forward's matrix products ran
         and were padding (with ``--unpadded_forward`` only the role headers' padding is left).
-        Only the L + 1 last positions' logits are materialised.
+        Only the L + 1 last positions' logits are materialised; with ``--unpadded_forward``, a few rows at a time
+        within ``--max_logits_mib`` (:mod:`marft.agents.reply_scores`).
         """
         self.bank.route(adapter)
         L = response_ids.shape[1]
@@ -202,7 +204,8 @@ class AgentTeam(nn.Module):
         positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
         if unpadded:
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
-            out_logits = self.model.get_output_embeddings()(hidden)  # (B, L + 1, V)
+            scores = chunked_token_scores(hidden, self.model.get_output_embeddings(), self.sampling.scoring_logits, response_ids,
+                                          response_mask, with_entropy, entropy_grad, self.config.top_k, self.config.max_logits_mib)
         else:
             out_logits = self.model(
                 input_ids=input_ids[:, cached:],
@@ -211,21 +214,10 @@ class AgentTeam(nn.Module):
                 past_key_values=cache,
                 logits_to_keep=L + 1,
                 use_cache=cache is not None,
-            ).logits
-        logits = self.sampling.scoring_logits(out_logits[:, :-1])  # (B, L, V): the position before reply token t predicts it
-        logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
-        taken = logp_all.gather(-1, response_ids.unsqueeze(-1))  # (B, L, 1)
-        logprobs = taken.squeeze(-1) * response_mask  # (B, L)
-        entropy = None
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropy = -(logp_all.exp() * logp_all).sum(-1) * response_mask  # (B, L)
-        out_of_topk = 0
-        if self.config.top_k > 0:
-            with torch.no_grad():
-                kth = torch.topk(logp_all, min(self.config.top_k, logp_all.shape[-1]), dim=-1).values[..., -1:]  # (B, L, 1)
-                out_of_topk = int(((taken < kth).squeeze(-1) & response_mask.bool()).sum())
-        return ReplyScores(logprobs, entropy, out_of_topk, positions, padding)
+            ).logits  # (B, L + 1, V): the position before reply token t predicts it
+            scores = score_tokens(self.sampling.scoring_logits(out_logits[:, :-1]), response_ids, response_mask, with_entropy,
+                                  entropy_grad, self.config.top_k)
+        return ReplyScores(scores.logprobs, scores.entropy, scores.out_of_topk, positions, padding)
 
     def _forward_positions(self, mask: torch.Tensor, cached: int, unpadded: bool, agents: torch.Tensor | None) -> tuple[int, int]:
         """``(positions, padding)``: the token positions a scoring forward runs through its matrix products, and how
