@@ -81,7 +81,7 @@ class ModelConfig:
     top_k: int = 0
     """Sample only among the k most likely tokens (0: off). The PPO log-probs are those of the tempered distribution before truncation (as in TRL), so a token that leaves the top k during the update keeps a finite ratio (counted: counters/out_of_topk_tokens)."""
     max_logits_mib: int = 1024
-    """Memory budget (MiB) of the float32 vocabulary logits one scoring forward forms at once (the update's log-probs and entropies, the rollout's scoring of an engine's replies): larger batches are scored a few rows at a time, and under autograd each chunk's logits are recomputed in the backward instead of kept (torch checkpoint). Matters for large vocabularies (Qwen2.5's 151,936 tokens: ~78 MiB per 128-token reply); a batch within the budget is scored in one pass. With --unpadded_forward only (Llama-family models; others form all logits at once). 0: no budget."""
+    """Memory budget (MiB) of the float32 vocabulary logits one scoring forward forms at once (the update's log-probs and entropies, the rollout's scoring of an engine's replies): larger batches are scored a few rows at a time, and under autograd each chunk's logits are recomputed in the backward instead of kept (torch checkpoint). Matters for large vocabularies (Qwen2.5's 151,936 tokens: ~78 MiB per 128-token reply); a batch within the budget is scored in one pass. Llama-family models (Qwen2/2.5/3, Llama, Mistral); others form all logits at once. 0: no budget."""
     trust_remote_code: bool = False
     """Allow custom model code from the model directory (off unless asked)."""
     dtype: str = "float32"

@@ -97,11 +97,13 @@ def test_the_backward_keeps_the_chunks_states_not_their_logits():
     assert _saved_bytes(run(4)) < logits_bytes / B  # less than one row's logits
 
 
-def test_update_gradients_with_scored_chunks_equal_one_pass(random_model_dir, monkeypatch):
+@pytest.mark.parametrize("model", [{}, {"gradient_checkpointing": True}], ids=["unpadded_forward", "gradient_checkpointing"])
+def test_update_gradients_with_scored_chunks_equal_one_pass(random_model_dir, monkeypatch, model):
     """Every policy and critic gradient of a first update step of three agents (entropy and KL in the loss) is the
-    same with the replies scored one row at a time as in one pass, and the chunked path really ran."""
-    team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"entropy_coef": 0.01, "kl_coef": 0.1})
-    assert team.headers.reads_by_layer  # the unpadded forward, whose states are scored in chunks
+    same with the replies scored one row at a time as in one pass, and the chunked path really ran: on the real
+    tokens (the default), and on transformers' padded forward with its layers checkpointed."""
+    team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"entropy_coef": 0.01, "kl_coef": 0.1}, **model)
+    assert team.headers.logits_from_states  # a Qwen2-style model: its logits are formed from the decoder's states
     plain, _ = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
     chunks = []
     with monkeypatch.context() as patch:
@@ -109,3 +111,12 @@ def test_update_gradients_with_scored_chunks_equal_one_pass(random_model_dir, mo
         chunked, _ = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
     assert chunks and max(chunks) > 1  # batches of several rows were cut into single rows
     assert_same_gradients(chunked, plain)
+
+
+def test_other_models_form_their_logits_in_one_forward():
+    """A model whose head may do more than its output layer (not of the Llama family) is not scored from states."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from marft.agents.unpadded import logits_from_last_states
+
+    assert not logits_from_last_states(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))

@@ -188,8 +188,8 @@ class AgentTeam(nn.Module):
         distribution (``SamplingSettings.scoring_logits``), zero where the reply is padding, with ``--top_k``
         the count of reply tokens outside the top k, and how many positions the forward's matrix products ran
         and were padding (with ``--unpadded_forward`` only the role headers' padding is left).
-        Only the L + 1 last positions' logits are materialised; with ``--unpadded_forward``, a few rows at a time
-        within ``--max_logits_mib`` (:mod:`marft.agents.reply_scores`).
+        Only the L + 1 last positions' logits are materialised; for the Llama family a few rows at a time
+        within ``--max_logits_mib`` (:mod:`marft.agents.reply_scores`), other models' all at once.
         """
         self.bank.route(adapter)
         L = response_ids.shape[1]
@@ -202,7 +202,7 @@ class AgentTeam(nn.Module):
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.reads_by_layer  # the matrix products skip the rows' pads
         positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
-        if unpadded:
+        if self.headers.logits_from_states:  # the Llama family (the unpadded forward among them)
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
             scores = chunked_token_scores(hidden, self.model.get_output_embeddings(), self.sampling.scoring_logits, response_ids,
                                           response_mask, with_entropy, entropy_grad, self.config.top_k, self.config.max_logits_mib)

@@ -39,6 +39,13 @@ def supports_unpadded(model: nn.Module) -> bool:
     return getattr(config, "_attn_implementation", "sdpa") in ("sdpa", "eager", None)
 
 
+def logits_from_last_states(model: nn.Module) -> bool:
+    """Whether ``model``'s logits are its output embeddings applied to its decoder's last hidden states and nothing
+    else (the Llama family, :data:`SUPPORTED_MODEL_TYPES`; others may scale or cap them), so that a caller may form
+    them itself from the states, for a few rows at a time."""
+    return getattr(getattr(model, "config", None), "model_type", None) in SUPPORTED_MODEL_TYPES
+
+
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary positions on queries or keys ``(..., heads, d)``, ``cos``/``sin`` broadcast over heads (as transformers)."""
     return x * cos + rotate_half(x) * sin
