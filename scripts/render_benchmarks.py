@@ -84,7 +84,7 @@ def render_suite(name: str, suite: dict, recorded: dict) -> str:
         parts.append(machine_line(run) + "\n\n" + "\n".join(lines) + "\n")
     missing = [label for label in specs if label not in {r["label"] for r in rows}]
     if missing:
-        parts.append(f"Not measured yet: {', '.join(missing)}.\n")
+        parts.append(f"Not measured yet: {'; '.join(missing)}.\n")
     return "\n".join(parts)
 
 

@@ -12,7 +12,7 @@ from marft.agents.reply_scores import chunked_token_scores, rows_per_chunk, scor
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 B, L, H, V = 7, 8, 16, 50_000
-"""Seven rows of 8 reply tokens over a 50,000-token vocabulary: 1.6 MB of float32 logits per row."""
+"""Seven rows of 8 reply tokens over a 50,000-token vocabulary: 1.8 MB of float32 logits per row (L + 1 positions)."""
 
 
 def _batch(seed=0):
@@ -33,6 +33,7 @@ def _tempered(logits):
 def test_rows_per_chunk_fits_the_budget():
     assert rows_per_chunk(7, 8, 50_000, 0) == 7  # no budget: one pass
     assert rows_per_chunk(7, 8, 50_000, 4) == 2  # 4 MiB / 1.6 MB per row
+    assert rows_per_chunk(7, 9, 50_000, 4) == 2  # the L + 1 positions whose logits are formed
     assert rows_per_chunk(7, 8, 50_000, 1) == 1  # a row over the budget is its own chunk
     assert rows_per_chunk(7, 8, 50_000, 1024) == 7
     assert rows_per_chunk(128, 128, 151_936, 1024) == 13  # Qwen2.5's vocabulary, 128-token replies
@@ -85,7 +86,8 @@ def _saved_bytes(fn) -> int:
 
 def test_the_backward_keeps_the_chunks_states_not_their_logits():
     """Without a budget the graph keeps several (B, L, V) float32 tensors; with 2-row chunks it keeps none of them
-    (each chunk's logits are recomputed in the backward), and the backward still runs."""
+    (each chunk's logits are recomputed in the backward), and the backward still runs. (The tensors a checkpointed
+    chunk holds while it runs are transient and not seen here; the memory suite measures the process's peak.)"""
     output_layer, states, response_ids, response_mask = _batch(2)
     logits_bytes = B * L * V * 4
 
@@ -114,9 +116,16 @@ def test_update_gradients_with_scored_chunks_equal_one_pass(random_model_dir, mo
 
 
 def test_other_models_form_their_logits_in_one_forward():
-    """A model whose head may do more than its output layer (not of the Llama family) is not scored from states."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    """Models whose head may do more than its output layer are not scored from states: another family, and a class
+    outside transformers that only names a Llama-family model type (remote code with its own head)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
     from marft.agents.unpadded import logits_from_last_states
 
+    class ScaledHead(Qwen2ForCausalLM):  # e.g. remote code that scales the logits
+        pass
+
+    qwen2 = Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    assert logits_from_last_states(Qwen2ForCausalLM(qwen2))
+    assert not logits_from_last_states(ScaledHead(qwen2))
     assert not logits_from_last_states(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)))

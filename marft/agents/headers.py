@@ -91,9 +91,9 @@ class RoleHeaderCache:
         self.pad_id = pad_id
         self.device = device
         self.unpadded_forward = unpadded_forward and supports_unpadded(bank.model.get_base_model())
+        """Whether :meth:`decoder_states` skips the pads in the linear layers (asked for, and the model supports it)."""
         self.logits_from_states = logits_from_last_states(bank.model.get_base_model())
         """Whether the model's logits are its output layer on :meth:`decoder_states` (the Llama family)."""
-        """Whether :meth:`decoder_states` skips the pads in the linear layers (asked for, and the model supports it)."""
         self.memo: dict | None = None
         """Inside :meth:`frozen`: role-header keys/values per (adapter, merged adapter, agents); None outside."""
         self.chunk_memo: dict | None = None

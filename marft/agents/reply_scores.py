@@ -4,11 +4,12 @@ formed a few rows at a time.
 A scoring forward needs, for every reply token, the log-softmax over the whole vocabulary. Formed at once
 that is several ``(B, L, V)`` float32 tensors (the tempered logits, their log-softmax, for the entropy their
 exponential and product), and autograd keeps some of them for the backward: with Qwen2.5's 151,936-token
-vocabulary, 128 replies of 128 tokens hold ~10 GB per tensor. Here the rows are cut into chunks whose float32
+vocabulary, 128 replies of 128 tokens hold ~9.3 GiB per tensor. Here the rows are cut into chunks whose float32
 logits fit a budget (``--max_logits_mib``); each chunk runs the output layer, the log-softmax, the gather and
 the entropy, and under autograd runs inside :func:`torch.utils.checkpoint.checkpoint`, which keeps only the
-chunk's hidden states and recomputes its logits in the backward. Peak memory then follows the budget, not
-the batch, for one more output-layer product per chunk in the backward.
+chunk's hidden states and recomputes its logits in the backward. The scoring's peak then follows the budget (a
+few times it: the chunk's log-softmax, exponential and gradients live beside its logits), not the batch, for one
+more output-layer product per chunk in the backward.
 
 Each row's values are those of the one-pass computation to float rounding (row-wise operations; only the
 matrix product's blocking may differ with the number of rows), and a batch within the budget takes the
@@ -35,8 +36,9 @@ class TokenScores:
 
 
 def rows_per_chunk(rows: int, length: int, vocab: int, max_logits_mib: int) -> int:
-    """How many rows of ``length`` positions fit ``max_logits_mib`` MiB of float32 logits over ``vocab`` (at least
-    one; every row when the budget is 0, i.e. off)."""
+    """How many rows of ``length`` positions fit ``max_logits_mib`` MiB of float32 logits over ``vocab``: at least
+    one (a row over the budget is a chunk of its own), every row when the budget is 0 (off). The chunk's peak is
+    a few times this tensor (its log-softmax, exponential and their gradients live beside it)."""
     if max_logits_mib <= 0:
         return rows
     return max(1, min(rows, (max_logits_mib * 2**20) // max(1, 4 * length * vocab)))
@@ -76,7 +78,7 @@ def chunked_token_scores(
     Rows are scored :func:`rows_per_chunk` at a time; under autograd each chunk is checkpointed (its logits
     recomputed in the backward)."""
     B, L = response_ids.shape
-    step = rows_per_chunk(B, L, output_layer.weight.shape[0], max_logits_mib)
+    step = rows_per_chunk(B, L + 1, output_layer.weight.shape[0], max_logits_mib)  # L + 1 positions form logits
 
     def chunk_scores(h, ids, mask):  # h (b, L + 1, H)
         return score_tokens(scoring_logits(output_layer(h)[:, :-1]), ids, mask, with_entropy, entropy_grad, top_k)

@@ -41,9 +41,11 @@ def supports_unpadded(model: nn.Module) -> bool:
 
 def logits_from_last_states(model: nn.Module) -> bool:
     """Whether ``model``'s logits are its output embeddings applied to its decoder's last hidden states and nothing
-    else (the Llama family, :data:`SUPPORTED_MODEL_TYPES`; others may scale or cap them), so that a caller may form
-    them itself from the states, for a few rows at a time."""
-    return getattr(getattr(model, "config", None), "model_type", None) in SUPPORTED_MODEL_TYPES
+    else, so that a caller may form them itself from the states, a few rows at a time: transformers' own causal-LM
+    classes of the Llama family (:data:`SUPPORTED_MODEL_TYPES`). Others may scale or cap their logits, and so may
+    remote code that only names one of these model types."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return model_type in SUPPORTED_MODEL_TYPES and type(model).__module__ == f"transformers.models.{model_type}.modeling_{model_type}"
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
