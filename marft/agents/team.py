@@ -202,7 +202,7 @@ class AgentTeam(nn.Module):
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.reads_by_layer  # the matrix products skip the rows' pads
         positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
-        if self.headers.logits_from_states:  # the Llama family (the unpadded forward among them)
+        if unpadded or self.headers.logits_from_states:  # the Llama family (the real-token forward reads states anyway)
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
             scores = chunked_token_scores(hidden, self.model.get_output_embeddings(), self.sampling.scoring_logits, response_ids,
                                           response_mask, with_entropy, entropy_grad, self.config.top_k, self.config.max_logits_mib)
