@@ -19,20 +19,12 @@ one-pass path itself, so small models compute exactly what they did (``tests/tes
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-
-@dataclass
-class TokenScores:
-    """Per reply token: ``logprobs (B, L)`` of the taken tokens, ``entropy (B, L)`` of the distribution (or None),
-    both zero where the reply is padding; ``out_of_topk``: taken tokens outside the top k (0 without top k)."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor | None
-    out_of_topk: int
+from marft.types import ReplyScores
 
 
 def rows_per_chunk(rows: int, length: int, vocab: int, max_logits_mib: int) -> int:
@@ -47,8 +39,9 @@ def rows_per_chunk(rows: int, length: int, vocab: int, max_logits_mib: int) -> i
 def score_tokens(
     logits: torch.Tensor, response_ids: torch.Tensor, response_mask: torch.Tensor, with_entropy: bool,
     entropy_grad: bool, top_k: int,
-) -> TokenScores:
-    """The one-pass scores of ``logits (B, L, V)`` (already tempered, float32) for ``response_ids (B, L)``."""
+) -> ReplyScores:
+    """The one-pass scores of ``logits (B, L, V)`` (already tempered, float32) for ``response_ids (B, L)``: a
+    :class:`ReplyScores` without the forward's position counts (the caller's)."""
     logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
     taken = logp_all.gather(-1, response_ids.unsqueeze(-1))  # (B, L, 1)
     logprobs = taken.squeeze(-1) * response_mask  # (B, L)
@@ -61,14 +54,14 @@ def score_tokens(
         with torch.no_grad():
             kth = torch.topk(logp_all, min(top_k, logp_all.shape[-1]), dim=-1).values[..., -1:]  # (B, L, 1)
             out_of_topk = int(((taken < kth).squeeze(-1) & response_mask.bool()).sum())
-    return TokenScores(logprobs, entropy, out_of_topk)
+    return ReplyScores(logprobs, entropy, out_of_topk)
 
 
 def chunked_token_scores(
     states: torch.Tensor, output_layer: torch.nn.Module,
     scoring_logits: Callable[[torch.Tensor], torch.Tensor], response_ids: torch.Tensor, response_mask: torch.Tensor,
     with_entropy: bool = False, entropy_grad: bool = True, top_k: int = 0, max_logits_mib: int = 0,
-) -> TokenScores:
+) -> ReplyScores:
     """Scores of the reply tokens ``response_ids (B, L)`` from ``states (B, L + 1, H)``, the decoder's last hidden
     states at the prompt's last position and the reply's (position t predicts reply token t; the last one's
     logits are formed and unused, as in transformers' ``logits_to_keep``). ``output_layer``: the model's output
@@ -85,9 +78,7 @@ def chunked_token_scores(
 
     if step >= B:  # within the budget: one pass, exactly as without chunking
         return chunk_scores(states, response_ids, response_mask)
-    grad = torch.is_grad_enabled()
-    chunks = [checkpoint(chunk_scores, states[i:i + step], response_ids[i:i + step], response_mask[i:i + step], use_reentrant=False)
-              if grad else chunk_scores(states[i:i + step], response_ids[i:i + step], response_mask[i:i + step])
-              for i in range(0, B, step)]
+    score = partial(checkpoint, chunk_scores, use_reentrant=False) if torch.is_grad_enabled() else chunk_scores
+    chunks = [score(states[i:i + step], response_ids[i:i + step], response_mask[i:i + step]) for i in range(0, B, step)]
     entropy = torch.cat([c.entropy for c in chunks]) if with_entropy else None
-    return TokenScores(torch.cat([c.logprobs for c in chunks]), entropy, sum(c.out_of_topk for c in chunks))
+    return ReplyScores(torch.cat([c.logprobs for c in chunks]), entropy, sum(c.out_of_topk for c in chunks))

@@ -217,7 +217,7 @@ class AgentTeam(nn.Module):
             ).logits  # (B, L + 1, V): the position before reply token t predicts it
             scores = score_tokens(self.sampling.scoring_logits(out_logits[:, :-1]), response_ids, response_mask, with_entropy,
                                   entropy_grad, self.config.top_k)
-        return ReplyScores(scores.logprobs, scores.entropy, scores.out_of_topk, positions, padding)
+        return dataclasses.replace(scores, positions=positions, padding=padding)
 
     def _forward_positions(self, mask: torch.Tensor, cached: int, unpadded: bool, agents: torch.Tensor | None) -> tuple[int, int]:
         """``(positions, padding)``: the token positions a scoring forward runs through its matrix products, and how
