@@ -105,7 +105,7 @@ def test_update_gradients_with_scored_chunks_equal_one_pass(random_model_dir, mo
     same with the replies scored one row at a time as in one pass, and the chunked path really ran: on the real
     tokens (the default), and on transformers' padded forward with its layers checkpointed."""
     team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"entropy_coef": 0.01, "kl_coef": 0.1}, **model)
-    assert team.headers.logits_from_states  # a Qwen2-style model: its logits are formed from the decoder's states
+    assert team.logits_from_states  # a Qwen2-style model: its logits are formed from the decoder's states
     plain, _ = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
     chunks = []
     with monkeypatch.context() as patch:

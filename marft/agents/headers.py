@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from marft.agents.adapters import AdapterBank
 from marft.agents.prompts import left_pad
-from marft.agents.unpadded import logits_from_last_states, supports_unpadded, unpadded_decoder_states
+from marft.agents.unpadded import supports_unpadded, unpadded_decoder_states
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,6 @@ class RoleHeaderCache:
         self.device = device
         self.unpadded_forward = unpadded_forward and supports_unpadded(bank.model.get_base_model())
         """Whether :meth:`decoder_states` skips the pads in the linear layers (asked for, and the model supports it)."""
-        self.logits_from_states = logits_from_last_states(bank.model.get_base_model())
-        """Whether the model's logits are its output layer on :meth:`decoder_states` (the Llama family)."""
         self.memo: dict | None = None
         """Inside :meth:`frozen`: role-header keys/values per (adapter, merged adapter, agents); None outside."""
         self.chunk_memo: dict | None = None

@@ -41,6 +41,7 @@ from marft.agents.generation import GenerationBackend, SampledReplies, SamplingS
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
 from marft.agents.reply_scores import chunked_token_scores, score_tokens
+from marft.agents.unpadded import logits_from_last_states
 from marft.config import ModelConfig
 from marft.types import EngineGap, ReplyScores, TurnOutput
 
@@ -97,6 +98,9 @@ class AgentTeam(nn.Module):
             config.generation_backend, self.headers, self.sampling, logprobs_from_generate=next(base_model.parameters()).dtype == torch.float32,
             config=config,
         )
+        self.logits_from_states = logits_from_last_states(base_model)
+        """Whether the model's logits are its output layer on the decoder's states (the Llama family), so that
+        :meth:`response_logprobs` forms them a few rows at a time."""
         self.engine_gap = EngineGap()
         """The rollout–trainer log-prob gap of an inference engine's replies since the last :meth:`EngineGap.take`."""
         hidden = base_model.config.get_text_config().hidden_size
@@ -202,7 +206,7 @@ class AgentTeam(nn.Module):
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.reads_by_layer  # the matrix products skip the rows' pads
         positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
-        if unpadded or self.headers.logits_from_states:  # the Llama family (the real-token forward reads states anyway)
+        if unpadded or self.logits_from_states:  # the Llama family (the real-token forward reads states anyway)
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
             scores = chunked_token_scores(hidden, self.model.get_output_embeddings(), self.sampling.scoring_logits, response_ids,
                                           response_mask, with_entropy, entropy_grad, self.config.top_k, self.config.max_logits_mib)
