@@ -143,8 +143,8 @@ class AlgoConfig:
     """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
     frozen_roles: Optional[str] = None
     """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game); their turns still count in the critic's data."""
-    kl_coef: float = 0.0
-    """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, averaged over each minibatch's reply tokens and added to the policy loss (0: none, no reference forward)."""
+    kl_coef: float = 0.1
+    """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, added to the policy loss in that loss's own units (MARFT-A and GRPO: a reply's KL summed over its tokens, averaged over each minibatch's replies; MARFT-T and GRPO's token-level loss: averaged over its reply tokens), so every token weighs it against its advantage alike. It keeps the agents near the protocol they start with: without it a team can drift into a private code that no single agent can leave (docs/troubleshooting.md). 0: none, no reference forward."""
     kl_reference: str = "auto"
     """The KL penalty's reference policy: base (the base model, adapters off), initial (each agent's adapter as training started, kept frozen: a copy of the adapters, saved in checkpoints) or auto (initial when training starts from --load_path, e.g. a scripts/sft.py warm start; base otherwise). A run records what auto meant, so a resumed run keeps its reference."""
     lr: float = 1e-3

@@ -84,7 +84,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
 
         def spy(samples, chunks_per_minibatch, original=original, chunks_seen=chunks_seen):
             out = original(samples, chunks_per_minibatch)
-            chunks_seen.append([(samples, chunk) for chunks, _, _ in out for chunk in chunks])
+            chunks_seen.append([(samples, chunk) for chunks, _ in out for chunk in chunks])
             return out
 
         trainer._minibatches = spy

@@ -45,7 +45,7 @@ def test_top_k_keeps_ratio_and_kl_finite_when_sampled_tokens_leave_the_top_k(ran
     advantage still has a gradient, and the out-of-top-k tokens are counted."""
     torch.manual_seed(0)
     team = make_team(random_model_dir, top_k=3)
-    trainer = trainer_class("APPO")(team, AlgoConfig(normalization_mode=mode), steps_per_iteration=8)
+    trainer = trainer_class("APPO")(team, AlgoConfig(normalization_mode=mode, kl_coef=0.0), steps_per_iteration=8)
     buffer = fill_buffer(team, trainer=trainer)
     perturb_adapters(team, std=0.5, names={"reasoner"})
     samples = buffer.agent_samples(0)

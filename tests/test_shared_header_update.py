@@ -190,7 +190,7 @@ def test_chunks_of_a_minibatch_share_one_header_forward(random_model_dir, monkey
     """Minibatches cut into chunks that each hold rows of all three agents (the policy's into 2, the critic's into
     2 x 3): one header forward (and backward) per adapter for all of a minibatch's chunks, with the plain forward's
     gradients."""
-    team, trainer, buffer = rollout(random_model_dir, "APPO", shared_lora=True, algo={"gradient_cp_steps": 2})
+    team, trainer, buffer = rollout(random_model_dir, "APPO", shared_lora=True, algo={"gradient_cp_steps": 2, "kl_coef": 0.0})  # no reference forward to count
     plain, _ = gradients(team, trainer, buffer, shared=False, monkeypatch=monkeypatch)
     monkeypatch.setattr(trainer, "_minibatches", _same_agents_in_every_chunk(trainer._minibatches, buffer))
     shared, runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
@@ -215,11 +215,11 @@ def test_with_a_chunk_token_budget_every_chunk_runs_its_own_headers(random_model
     """``--max_chunk_tokens`` bounds what a chunk holds: the critic's chunks (rows of three agents behind their
     headers) each run their own role headers, so no header's graph outlives its chunk (held over a minibatch, a
     critic of n agents would hold n headers' activations), with the gradient of the shared forward."""
-    team, trainer, buffer = rollout(random_model_dir, "APPO")
+    team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"kl_coef": 0.0})  # no reference forward to count
     shared, shared_runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
     widest = buffer.prompt_mask.sum(-1).max() + buffer.response_mask.sum(-1).max() + max(map(len, team.headers.header_ids))
     budget = int(widest) * 3  # about three rows a chunk
-    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget)
+    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0)
     chunks = []
     minibatches = trainer._minibatches
     monkeypatch.setattr(trainer, "_minibatches", lambda s, k: [m for m in minibatches(s, k) if not chunks.append(len(m[0]))])

@@ -4,8 +4,8 @@
 * An adapter with no turns in the batch (an agent the orchestrator never called) is not updated: no optimizer
   step, so neither its weights nor its optimizer state (AdamW's momentum would move it on a zero gradient) change;
   the skip is counted, and many such iterations never stop the run.
-* The reference KL is a mean over the minibatch's reply tokens: its gradient does not depend on
-  ``--gradient_cp_steps``.
+* The reference KL is counted in the policy loss's own units (per reply for MARFT-A and GRPO, per reply token
+  for MARFT-T): its gradient is that of a plain formula, and does not depend on ``--gradient_cp_steps``.
 """
 
 import copy
@@ -95,23 +95,61 @@ def test_kl_gradient_does_not_depend_on_gradient_cp_steps(random_model_dir, algo
     torch.manual_seed(0)
     team = make_team(random_model_dir)
     perturb_adapters(team, std=0.1)
-    results = {}
+    results, buffer = {}, None
     for cp in (1, 2):
-        trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, gradient_cp_steps=cp, kl_coef=1.0), steps_per_iteration=8)
-        if cp == 1:
-            torch.manual_seed(0)
-            buffer = fill_buffer(team, trainer=trainer)
-            lengths = torch.tensor([1, 6, 2, 6, 1, 5, 1, 6])  # (T·E,) ragged replies of agent 0, then the same for agent 1
-            ragged = (torch.arange(buffer.response_mask.shape[-1]) < lengths.view(2, 4, 1, 1)).long()  # (T, E, 1, L)
-            buffer.response_mask = buffer.response_mask * ragged
-            trainer.compute_advantages(buffer)
-        samples = buffer.agent_samples(0, trainer.token_level)
-        for key in ("advantages", "token_advantages"):  # the KL alone
-            if getattr(samples, key) is not None:
-                setattr(samples, key, torch.zeros_like(getattr(samples, key)))
-        trainer.config.normalize_advantages = False
-        results[cp] = one_step_gradients(trainer, trainer.update_policy, "reasoner", samples)
+        trainer, buffer, turns = kl_only_update(team, algorithm, gradient_cp_steps=cp, buffer=buffer)
+        results[cp] = one_step_gradients(trainer, trainer.update_policy, "reasoner", turns)
         team.set_active(None)
     assert len(results[1]) == len(results[2]) > 0 and any(g.abs().sum() > 0 for g in results[1])
     for a, b in zip(results[1], results[2]):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+
+
+def kl_only_update(team, algorithm: str, gradient_cp_steps: int = 1, buffer=None):
+    """A trainer with ``kl_coef`` 1, no standardised advantages, and agent 0's turns of a buffer with ragged
+    replies (filled unless ``buffer`` is given) whose advantages are all 0: the update's gradient is the KL's alone.
+    Returns the trainer, the buffer and agent 0's turns."""
+    config = AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, gradient_cp_steps=gradient_cp_steps, num_mini_batch=1,
+                        kl_coef=1.0, normalize_advantages=False)
+    trainer = trainer_class(algorithm)(team, config, steps_per_iteration=8)
+    if buffer is None:
+        torch.manual_seed(0)
+        buffer = fill_buffer(team, trainer=trainer)
+        lengths = torch.tensor([1, 6, 2, 6, 1, 5, 1, 6])  # (T·E,) ragged replies of agent 0, then the same for agent 1
+        ragged = (torch.arange(buffer.response_mask.shape[-1]) < lengths.view(2, 4, 1, 1)).long()  # (T, E, 1, L)
+        buffer.response_mask = buffer.response_mask * ragged
+        trainer.compute_advantages(buffer)
+    samples = buffer.agent_samples(0, trainer.token_level)
+    for key in ("advantages", "token_advantages"):  # the KL alone
+        if getattr(samples, key) is not None:
+            setattr(samples, key, torch.zeros_like(getattr(samples, key)))
+    return trainer, buffer, samples
+
+
+@pytest.mark.parametrize("algorithm", sorted(TRAINERS))
+def test_kl_is_weighed_in_the_policy_losss_units(random_model_dir, algorithm):
+    """The KL term's gradient is that of kl_coef · (k3 summed over the replies' real tokens) / units, where the units
+    are the replies (MARFT-A, GRPO: one ratio per reply) or the real reply tokens (MARFT-T): each token weighs the KL
+    against its advantage alike, whatever the reply's length."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    perturb_adapters(team, std=0.1)
+    trainer, _, turns = kl_only_update(team, algorithm)
+    fast = one_step_gradients(trainer, trainer.update_policy, "reasoner", turns)
+    team.set_active("reasoner", trainable=True)
+    mb = turns.trimmed(team.device)
+    reference = trainer.reference_logprobs(mb, "reasoner")  # (B, L)
+    token_logp, _ = trainer.score_replies("reasoner", mb)  # (B, L)
+    mask = mb.response_mask.float()
+    r = (reference - token_logp) * mask
+    k3 = ((torch.exp(r) - r - 1) * mask).sum()
+    units = mask.sum() if algorithm == "TPPO" else float(mask.shape[0])
+    params = list(team.adapter_parameters("reasoner"))
+    for p in params:
+        p.grad = None
+    (k3 / units).backward()
+    plain = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    team.set_active(None)
+    assert any(g.abs().sum() > 0 for g in plain)
+    for a, b in zip(fast, plain):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)

@@ -83,7 +83,7 @@ class APPOTrainer(PPOTrainer):
         team.set_active(critic, trainable=True)
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for chunks, units, _ in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
+            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok = True
                 with self.headers_of_chunks():
                     for chunk in chunks:

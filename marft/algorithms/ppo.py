@@ -185,12 +185,17 @@ class PPOTrainer:
         """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
         ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
         would move it into the advantages). Puts into ``stats`` the chunk's k3 SUM over its real tokens
-        (``kl_token_sum``, in the graph), which the update weights by ``kl_coef / tokens of the global
-        minibatch``: the KL is a mean over the minibatch's tokens, whatever the chunks or the processes; and its
-        mean over the chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s.
+        (``kl_token_sum``, in the graph), which the update weights by ``kl_coef / loss units of the global
+        minibatch`` (:meth:`loss_units`: replies at the action level, reply tokens for the token-level losses), so
+        the KL is weighed against the policy loss in that loss's own units — a reply's summed KL beside a reply's
+        log-ratio, a token's KL beside a token's — whatever the chunks or the processes; and its mean over the
+        chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s.
         With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
         if self.config.kl_coef <= 0:
             return
+        if mb.ref_logprobs is None:
+            raise RuntimeError("--kl_coef > 0 needs the reference log-probs of the replies: update_policy sets them "
+                               "(reference_logprobs); a policy loss called on its own needs them too, or kl_coef 0")
         mask = mb.response_mask.float()  # (B, L)
         log_ratio = (mb.ref_logprobs - token_logp) * mask  # (B, L)
         k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
@@ -284,10 +289,9 @@ class PPOTrainer:
         memory (a critic of n agents would otherwise hold n headers' graphs: their tokens' activations)."""
         return self.team.headers.shared_over_chunks() if self.config.max_chunk_tokens is None else nullcontext()
 
-    def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float, float]]:
+    def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float]]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
-        units and the reply tokens (the reference KL's units) of each minibatch summed over processes.
-        Returns ``[(chunks, units, kl_units)]``.
+        units of each minibatch summed over processes. Returns ``[(chunks, units)]``.
 
         When every process holds as many rows, each shuffles its own and cuts them into ``num_mini_batch``
         minibatches (so every process runs as many, and seeded runs draw their random numbers as they always did).
@@ -314,13 +318,7 @@ class PPOTrainer:
             if samples.response_mask is not None:
                 lengths = lengths + samples.response_mask.sum(-1)
             minibatches = [indices[lengths[indices].argsort(stable=True)] for indices in minibatches]
-        with_kl = self.config.kl_coef > 0 and samples.response_mask is not None
-        counts = [self.loss_units(samples, indices) for indices in minibatches]
-        if with_kl:
-            counts += [float(samples.response_mask[indices].sum()) for indices in minibatches]
-        counts = self.dist.sum_floats(counts)  # one all-reduce: [units of each minibatch, (its reply tokens)]
-        units = counts[: len(minibatches)]
-        kl_units = counts[len(minibatches) :] if with_kl else [1.0] * len(minibatches)
+        units = self.dist.sum_floats([self.loss_units(samples, indices) for indices in minibatches])  # one all-reduce
         return [
             (
                 [
@@ -330,9 +328,8 @@ class PPOTrainer:
                     for part in (self._token_budget_split(samples, chunk, budget, header_lengths) if budget is not None else [chunk])
                 ],
                 max(u, 1.0),
-                max(k, 1.0),
             )
-            for indices, u, k in zip(minibatches, units, kl_units)
+            for indices, u in zip(minibatches, units)
         ]
 
     def _header_lengths(self, samples: TurnBatch) -> torch.Tensor | None:
@@ -425,7 +422,7 @@ class PPOTrainer:
         self.scored_positions = [0, 0]
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
-            for chunks, units, kl_units in self._minibatches(samples, cfg.gradient_cp_steps):
+            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps):
                 loss_ok = True
                 with self.headers_of_chunks():
                     for chunk in chunks:
@@ -433,8 +430,8 @@ class PPOTrainer:
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
                         loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
                         kl_sum = pstats.pop("kl_token_sum", None)
-                        if kl_sum is not None:  # a mean over the global minibatch's reply tokens, whatever the chunks
-                            loss = loss + cfg.kl_coef * kl_sum / kl_units
+                        if kl_sum is not None:  # per loss unit of the global minibatch, whatever the chunks
+                            loss = loss + cfg.kl_coef * kl_sum / units
                         if not torch.isfinite(loss):
                             loss_ok = False
                             break
