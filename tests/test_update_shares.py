@@ -105,17 +105,17 @@ def test_kl_gradient_does_not_depend_on_gradient_cp_steps(random_model_dir, algo
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
 
 
-def kl_only_update(team, algorithm: str, gradient_cp_steps: int = 1, buffer=None):
+def kl_only_update(team, algorithm: str, gradient_cp_steps: int = 1, buffer=None, mode: str = "sum"):
     """A trainer with ``kl_coef`` 1, no standardised advantages, and agent 0's turns of a buffer with ragged
     replies (filled unless ``buffer`` is given) whose advantages are all 0: the update's gradient is the KL's alone.
     Returns the trainer, the buffer and agent 0's turns."""
     config = AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, gradient_cp_steps=gradient_cp_steps, num_mini_batch=1,
-                        kl_coef=1.0, normalize_advantages=False)
+                        kl_coef=1.0, normalize_advantages=False, normalization_mode=mode)
     trainer = trainer_class(algorithm)(team, config, steps_per_iteration=8)
     if buffer is None:
         torch.manual_seed(0)
         buffer = fill_buffer(team, trainer=trainer)
-        lengths = torch.tensor([1, 6, 2, 6, 1, 5, 1, 6])  # (T·E,) ragged replies of agent 0, then the same for agent 1
+        lengths = torch.tensor([1, 6, 2, 6, 1, 5, 1, 6])  # (T·E,) ragged reply lengths, the same for every agent
         ragged = (torch.arange(buffer.response_mask.shape[-1]) < lengths.view(2, 4, 1, 1)).long()  # (T, E, 1, L)
         buffer.response_mask = buffer.response_mask * ragged
         trainer.compute_advantages(buffer)
@@ -126,24 +126,33 @@ def kl_only_update(team, algorithm: str, gradient_cp_steps: int = 1, buffer=None
     return trainer, buffer, samples
 
 
-@pytest.mark.parametrize("algorithm", sorted(TRAINERS))
-def test_kl_is_weighed_in_the_policy_losss_units(random_model_dir, algorithm):
-    """The KL term's gradient is that of kl_coef · (k3 summed over the replies' real tokens) / units, where the units
-    are the replies (MARFT-A, GRPO: one ratio per reply) or the real reply tokens (MARFT-T): each token weighs the KL
-    against its advantage alike, whatever the reply's length."""
+@pytest.mark.parametrize("algorithm, mode", [("APPO", "sum"), ("APPO", "token"), ("APPO", "word"), ("TPPO", "sum"), ("GRPO", "sum"),
+                                             ("GRPO", "token"), ("GRPO", "word")])
+def test_kl_is_weighed_in_the_policy_losss_units(random_model_dir, algorithm, mode):
+    """The KL term's gradient is that of kl_coef · Σ_replies KL_reply / units, in the policy loss's own units:
+    with one ratio per reply (MARFT-A, GRPO's sum and word modes) KL_reply is the reply's token k3 combined as its
+    log-prob is (summed, or per word) and the units are the replies; with a loss per token (MARFT-T, GRPO's token
+    mode) the units are the real reply tokens (MARFT-A's token mode: the per-token mean of a reply over replies).
+    So each token weighs the KL against its advantage alike, whatever the reply's length."""
     torch.manual_seed(0)
     team = make_team(random_model_dir)
     perturb_adapters(team, std=0.1)
-    trainer, _, turns = kl_only_update(team, algorithm)
+    trainer, _, turns = kl_only_update(team, algorithm, mode=mode)
     fast = one_step_gradients(trainer, trainer.update_policy, "reasoner", turns)
     team.set_active("reasoner", trainable=True)
     mb = turns.trimmed(team.device)
     reference = trainer.reference_logprobs(mb, "reasoner")  # (B, L)
     token_logp, _ = trainer.score_replies("reasoner", mb)  # (B, L)
     mask = mb.response_mask.float()
+    assert mask.sum() > mask.shape[0], "replies of one token: replies and tokens would be the same units"
     r = (reference - token_logp) * mask
-    k3 = ((torch.exp(r) - r - 1) * mask).sum()
-    units = mask.sum() if algorithm == "TPPO" else float(mask.shape[0])
+    k3 = (torch.exp(r) - r - 1) * mask  # (B, L)
+    per_token = algorithm == "TPPO" or (algorithm == "GRPO" and mode == "token")
+    if per_token:
+        k3, units = k3.sum(), mask.sum()
+    else:
+        per_reply = k3.sum(-1) / {"sum": torch.ones(len(mask)), "token": mask.sum(-1), "word": mb.n_words.float()}[mode].clamp(min=1)
+        k3, units = per_reply.sum(), float(mask.shape[0])
     params = list(team.adapter_parameters("reasoner"))
     for p in params:
         p.grad = None

@@ -151,7 +151,7 @@ class PPOTrainer:
         loss, stats = clipped_policy_loss(new_logp, old_logp, mb.advantages, cfg.clip_param, clip_param_high=cfg.clip_param_high,
                                           correction=correction)
         entropy = (token_entropy.sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-        self.add_reference_kl(token_logp, mb, stats)
+        self.add_reference_kl(token_logp, mb, stats, reply_mode=cfg.normalization_mode)
         return loss, entropy, stats
 
     def rollout_correction(self, mb: TurnBatch, per_token: bool) -> torch.Tensor | None:
@@ -181,7 +181,7 @@ class PPOTrainer:
             weights = (weights if weights.dim() == 2 else weights[:, None]) * mask  # (B, L)
         return weights
 
-    def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict) -> None:
+    def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict, reply_mode: str | None = None) -> None:
         """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
         ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
         would move it into the advantages). Puts into ``stats`` the chunk's k3 SUM over its real tokens
@@ -189,7 +189,10 @@ class PPOTrainer:
         minibatch`` (:meth:`loss_units`: replies at the action level, reply tokens for the token-level losses), so
         the KL is weighed against the policy loss in that loss's own units — a reply's summed KL beside a reply's
         log-ratio, a token's KL beside a token's — whatever the chunks or the processes; and its mean over the
-        chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s.
+        chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s. A loss per
+        reply passes its ``reply_mode`` (``--normalization_mode``): each reply's KL is then combined from its
+        tokens as its log-prob is (summed, or per token, or per word), so a token's KL keeps the same weight
+        against its advantage in every mode.
         With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
         if self.config.kl_coef <= 0:
             return
@@ -198,8 +201,8 @@ class PPOTrainer:
                                "(reference_logprobs); a policy loss called on its own needs them too, or kl_coef 0")
         mask = mb.response_mask.float()  # (B, L)
         log_ratio = (mb.ref_logprobs - token_logp) * mask  # (B, L)
-        k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask
-        stats["kl_token_sum"] = k3.sum()
+        k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask  # (B, L)
+        stats["kl_token_sum"] = k3.sum() if reply_mode is None else normalize_logprobs(k3, mask, mb.n_words, reply_mode).sum()
         stats["kl_to_reference"] = k3.sum().detach() / mask.sum().clamp(min=1)
 
     @torch.no_grad()

@@ -216,6 +216,9 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
         if reference in references:
             set_peft_model_state_dict(team.model, references[reference], adapter_name=reference)
         else:  # training starts here from these adapters (a warm start): they are the reference
+            if int(state.get("iteration", 0)) > 0:
+                logger.warning("checkpoint %s (iteration %s) has no KL reference for %s (it was saved with --kl_coef 0): "
+                               "the reference is the adapter as resumed, not as its training started", path, state["iteration"], adapter)
             team.bank.copy_weights(adapter, reference)
     if team.has_critic:
         _apply(path / "value_head.safetensors", lambda: load_value_head_state(team, value_head))
@@ -286,9 +289,10 @@ FIXED_FIELDS = {
 """Flags that cannot change on resume: they decide which adapters exist and their shapes (roles are checked too)."""
 NOT_INHERITED = ("load_path", "output_dir")
 """Runner flags never taken from the checkpoint: where to load from and where to write to."""
-BEFORE_THE_FLAG = {"model": {"chat_template": "none"}}
+BEFORE_THE_FLAG = {"model": {"chat_template": "none"}, "algo": {"kl_coef": 0.0}}
 """What a flag meant in checkpoints saved before it existed, when its default now means something else (their prompts
-were plain transcripts); a flag missing from a checkpoint and not listed here takes today's default."""
+were plain transcripts; they trained without a KL penalty); a flag missing from a checkpoint and not listed here takes
+today's default."""
 
 
 def resume_config(config, given: set[str]):
