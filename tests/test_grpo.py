@@ -166,6 +166,6 @@ def test_the_reference_kl_is_zero_at_start_and_grows_as_adapters_move(random_mod
     stats = {}
     trainer.add_reference_kl(token_logp, mb, stats)
     tokens = float(mb.response_mask.sum())
-    assert stats["kl_to_reference"] > 1e-3 and float(stats["kl_token_sum"]) == pytest.approx(float(stats["kl_to_reference"]) * tokens)
+    assert stats["kl_to_reference"] > 1e-3 and float(stats["kl_sum"]) == pytest.approx(float(stats["kl_to_reference"]) * tokens)
     metrics = trainer.update(buffer, 0)
     assert any(k.endswith("/kl_to_reference") for k in metrics)

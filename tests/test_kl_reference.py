@@ -120,3 +120,22 @@ def test_a_resumed_run_keeps_its_reference(random_model_dir, warm_start, tmp_pat
     later = config(random_model_dir, tmp_path / "later")
     later.runner.load_path = str(fresh.save(1))
     assert resolve_kl_reference(later) == "base"
+
+
+def test_resuming_without_a_saved_reference_says_what_the_reference_is(random_model_dir, warm_start, tmp_path, caplog):
+    """A run trained without the KL saves no reference adapters; resumed with the KL and an ``initial`` reference,
+    the reference can only be the adapters as resumed, and the restore says so (a warm start at iteration 0 does not)."""
+    path, _ = warm_start
+    runner, buffer = one_update(random_model_dir, tmp_path / "run", path, kl_reference="base")
+    runner.config.algo.kl_coef = 0.0
+    saved = runner.save(1)
+    assert not any(p.name.startswith("ref_") for p in saved.iterdir())
+    cfg = config(random_model_dir, tmp_path / "resumed", kl_coef=0.5, kl_reference="initial")
+    cfg.runner.load_path = str(saved)
+    with caplog.at_level("WARNING", logger="marft.training.checkpoint"):
+        build_runner(cfg).restore(saved)
+    assert "has no KL reference" in caplog.text and "iteration 1" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="marft.training.checkpoint"):
+        one_update(random_model_dir, tmp_path / "warm_again", path, kl_reference="initial")
+    assert "has no KL reference" not in caplog.text

@@ -184,16 +184,16 @@ class PPOTrainer:
     def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict, reply_mode: str | None = None) -> None:
         """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
         ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
-        would move it into the advantages). Puts into ``stats`` the chunk's k3 SUM over its real tokens
-        (``kl_token_sum``, in the graph), which the update weights by ``kl_coef / loss units of the global
-        minibatch`` (:meth:`loss_units`: replies at the action level, reply tokens for the token-level losses), so
-        the KL is weighed against the policy loss in that loss's own units — a reply's summed KL beside a reply's
-        log-ratio, a token's KL beside a token's — whatever the chunks or the processes; and its mean over the
-        chunk's tokens (``kl_to_reference``, logged). The reference is :meth:`reference_logprobs`'s. A loss per
-        reply passes its ``reply_mode`` (``--normalization_mode``): each reply's KL is then combined from its
-        tokens as its log-prob is (summed, or per token, or per word), so a token's KL keeps the same weight
-        against its advantage in every mode.
-        With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of the current policy."""
+        would move it into the advantages). The reference is :meth:`reference_logprobs`'s.
+
+        Puts into ``stats`` the chunk's KL summed over its loss units (``kl_sum``, in the graph), which the update
+        divides by the loss units of the global minibatch (:meth:`loss_units`), so the KL is weighed against the
+        policy loss in that loss's own units, whatever the chunks or the processes: a token's KL beside a token's
+        term for the token-level losses; for a loss per reply (``reply_mode``, its ``--normalization_mode``) each
+        reply's token KL combined as its log-prob is (summed, per token or per word), so a token's KL keeps the same
+        weight against its advantage in every mode. Also its mean over the chunk's tokens (``kl_to_reference``,
+        logged). With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of
+        the current policy."""
         if self.config.kl_coef <= 0:
             return
         if mb.ref_logprobs is None:
@@ -202,7 +202,7 @@ class PPOTrainer:
         mask = mb.response_mask.float()  # (B, L)
         log_ratio = (mb.ref_logprobs - token_logp) * mask  # (B, L)
         k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask  # (B, L)
-        stats["kl_token_sum"] = k3.sum() if reply_mode is None else normalize_logprobs(k3, mask, mb.n_words, reply_mode).sum()
+        stats["kl_sum"] = k3.sum() if reply_mode is None else normalize_logprobs(k3, mask, mb.n_words, reply_mode).sum()
         stats["kl_to_reference"] = k3.sum().detach() / mask.sum().clamp(min=1)
 
     @torch.no_grad()
@@ -432,7 +432,7 @@ class PPOTrainer:
                         mb = samples.rows(chunk).trimmed(team.device)
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
                         loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
-                        kl_sum = pstats.pop("kl_token_sum", None)
+                        kl_sum = pstats.pop("kl_sum", None)
                         if kl_sum is not None:  # per loss unit of the global minibatch, whatever the chunks
                             loss = loss + cfg.kl_coef * kl_sum / units
                         if not torch.isfinite(loss):

@@ -217,7 +217,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
             set_peft_model_state_dict(team.model, references[reference], adapter_name=reference)
         else:  # training starts here from these adapters (a warm start): they are the reference
             if int(state.get("iteration", 0)) > 0:
-                logger.warning("checkpoint %s (iteration %s) has no KL reference for %s (it was saved with --kl_coef 0): "
+                logger.warning("checkpoint %s (iteration %s) has no KL reference for %s (it was saved without one, e.g. with --kl_coef 0): "
                                "the reference is the adapter as resumed, not as its training started", path, state["iteration"], adapter)
             team.bank.copy_weights(adapter, reference)
     if team.has_critic:
