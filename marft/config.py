@@ -27,6 +27,7 @@ from marft.choices import (
     CRITIC_MODES,
     DTYPES,
     GENERATION_BACKENDS,
+    KL_COEF_DEFAULTS,
     KL_REFERENCES,
     NORMALIZATION_MODES,
     ROLLOUT_CORRECTIONS,
@@ -143,8 +144,8 @@ class AlgoConfig:
     """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
     frozen_roles: Optional[str] = None
     """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game); their turns still count in the critic's data."""
-    kl_coef: float = 0.1
-    """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, added to the policy loss in that loss's own units (MARFT-A and GRPO: a reply's KL, its tokens' combined as its log-prob is by --normalization_mode, averaged over each minibatch's replies; MARFT-T and GRPO's token-level loss: averaged over its reply tokens), so every token weighs it against its advantage alike. It keeps the agents near the protocol they start with: without it a team can drift into a private code that no single agent can leave (docs/troubleshooting.md). 0: none, no reference forward."""
+    kl_coef: Optional[float] = None
+    """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, added to the policy loss in that loss's own units (MARFT-A and GRPO: a reply's KL, its tokens' combined as its log-prob is by --normalization_mode, averaged over each minibatch's replies; MARFT-T and GRPO's token-level loss: averaged over its reply tokens), so every token weighs it against its advantage alike. It keeps the agents near the protocol they start with: without it a team can drift into a private code that no single agent can leave (docs/troubleshooting.md). None (the default): 0.1 for MARFT-A and MARFT-T, 0.0125 for GRPO, whose group-relative advantages are zero on most replies once most groups all solve (docs/algorithms.md). 0: none, no reference forward."""
     kl_reference: str = "auto"
     """The KL penalty's reference policy: base (the base model, adapters off), initial (each agent's adapter as training started, kept frozen: a copy of the adapters, saved in checkpoints) or auto (initial when training starts from --load_path, e.g. a scripts/sft.py warm start; base otherwise). A run records what auto meant, so a resumed run keeps its reference."""
     lr: float = 1e-3
@@ -218,6 +219,13 @@ class AlgoConfig:
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
                 f"of one has no spread, every advantage is 0 and nothing is learned; use --group_size 2 or more (default 4)"
             )
+
+    @property
+    def effective_kl_coef(self) -> float:
+        """The KL penalty's weight in this run: ``kl_coef``, or the algorithm's default (:data:`KL_COEF_DEFAULTS`).
+        Resolved when used, not stored: a warm start's config keeps None, so a run from it with another
+        ``--algorithm_name`` gets that algorithm's default."""
+        return KL_COEF_DEFAULTS[self.algorithm_name] if self.kl_coef is None else self.kl_coef
 
 
 @dataclass

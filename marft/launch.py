@@ -291,7 +291,11 @@ def build_runner(config: TrainConfig, validated=None):
     dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
     team, trainer = build_team(config, profile, dist)
     config.algo.kl_reference = resolve_kl_reference(config)  # recorded in the run's config: a resume keeps it
-    if config.algo.kl_coef > 0 and config.algo.kl_reference == "initial":
+    if config.algo.kl_coef is None:  # the algorithm's default, recorded too
+        config.algo.kl_coef = config.algo.effective_kl_coef
+        if dist.is_main:
+            logger.info("--kl_coef %g: %s's default", config.algo.kl_coef, config.algo.algorithm_name)
+    if config.algo.effective_kl_coef > 0 and config.algo.kl_reference == "initial":
         team.add_reference_adapters()  # the adapters as they start; a checkpoint's own references replace them on restore
     envs = TextVectorEnv([make_train_env] * (config.runner.n_rollout_threads // dist.world_size))
     run_dir = dist.broadcast_object(default_run_dir(config))  # rank 0's timestamp

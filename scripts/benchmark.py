@@ -259,7 +259,7 @@ def bench_learning(args) -> dict:
                                  max_reply_tokens=args.max_new_tokens)
         losses = warm_start(runner.team, examples, SFTConfig(sft_steps=args.sft_steps), seed=args.seed)
         print(f"warm start: {args.sft_steps} steps, reply loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
-        if config.algo.kl_coef > 0 and args.kl_reference == "auto":  # the KL keeps the warm start, as after --load_path
+        if config.algo.effective_kl_coef > 0 and args.kl_reference == "auto":  # the KL keeps the warm start, as after --load_path
             runner.team.add_reference_adapters()
             config.algo.kl_reference = "initial"
     train_tasks_before = runner.evaluate(make_env=make_train_env)

@@ -176,3 +176,4 @@ def test_every_implementation_table_has_exactly_the_choice_names():
     assert set(BACKEND_CLASSES) == set(choices.GENERATION_BACKENDS)
     assert set(NORMALIZERS) == set(choices.NORMALIZATION_MODES)
     assert all(trainer_class(name) for name in choices.TRAINERS)
+    assert set(choices.KL_COEF_DEFAULTS) == set(choices.TRAINERS)  # every trainer has its KL weight

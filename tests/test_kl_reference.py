@@ -18,10 +18,10 @@ from marft.launch import build_runner, resolve_kl_reference
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def config(model_dir, run, **algo) -> TrainConfig:
+def config(model_dir, run, horizon=2, **algo) -> TrainConfig:
     return TrainConfig(
         model=ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=128),
-        env=EnvConfig(env_name="dense_relay_sum", horizon=2),
+        env=EnvConfig(env_name="dense_relay_sum", horizon=horizon),
         algo=AlgoConfig(**{"ppo_epoch": 1, "num_mini_batch": 1, **algo}),
         runner=RunnerConfig(n_rollout_threads=2, episode_length=1, num_env_steps=4, output_dir=str(run)),
     )
@@ -139,3 +139,35 @@ def test_resuming_without_a_saved_reference_says_what_the_reference_is(random_mo
     with caplog.at_level("WARNING", logger="marft.training.checkpoint"):
         one_update(random_model_dir, tmp_path / "warm_again", path, kl_reference="initial")
     assert "has no KL reference" not in caplog.text
+
+
+# ---------------------------------------------------------------------- the KL's weight per algorithm
+@pytest.mark.parametrize("algorithm,given,recorded", [
+    ("APPO", None, 0.1), ("TPPO", None, 0.1), ("GRPO", None, 0.0125), ("GRPO", 0.1, 0.1), ("APPO", 0.0, 0.0),
+])
+def test_kl_coef_not_given_is_the_algorithms_default_and_the_run_records_it(random_model_dir, tmp_path, algorithm, given, recorded):
+    """GRPO's default weight is an eighth of MARFT-A's and MARFT-T's (its advantages are zero on most replies once
+    most groups all solve: choices.KL_COEF_DEFAULTS); a weight given is kept, and the run records the weight it used,
+    so a resume keeps it whatever the defaults become."""
+    runner = build_runner(config(random_model_dir, tmp_path / "run", horizon=1, algorithm_name=algorithm, group_size=2, kl_coef=given))
+    assert runner.config.algo.kl_coef == recorded and runner.trainer.config.effective_kl_coef == recorded
+    assert json.loads((runner.save(1) / "config.json").read_text())["algo"]["kl_coef"] == recorded
+
+
+def test_a_warm_start_leaves_the_kl_weight_to_the_algorithm_of_the_run_after_it(random_model_dir, tmp_path):
+    """scripts/sft.py saves --kl_coef as given (none: None); RL from it with GRPO, the flags not given coming from
+    the warm start's config as the command line merges them, gets GRPO's default, not MARFT-A's."""
+    from marft.cli.sft import main as sft_main
+    from marft.training.checkpoint import resume_config
+
+    common = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
+              "--context_window", "128", "--n_rollout_threads", "2"]
+    episode = {"problem": "What is x + 50?", "turns": [{"role": "Reasoner", "text": "7 + 50 = 57"}, {"role": "Actor", "text": "\\boxed{57}"}]}
+    (tmp_path / "t.jsonl").write_text(json.dumps(episode) + "\n")
+    assert sft_main([*common, "--sft_steps", "1", "--sft_data", str(tmp_path / "t.jsonl"), "--output_dir", str(tmp_path / "sft")]) == 0
+    warm = tmp_path / "sft" / "checkpoints" / "steps_0"
+    assert json.loads((warm / "config.json").read_text())["algo"]["kl_coef"] is None
+    rl = config(random_model_dir, tmp_path / "rl", horizon=1, algorithm_name="GRPO", group_size=2)
+    rl.runner.load_path = str(warm)
+    rl = resume_config(rl, {"algorithm_name", "group_size", "horizon", "output_dir", "load_path"})
+    assert build_runner(rl).config.algo.kl_coef == 0.0125

@@ -101,7 +101,7 @@ def test_update_with_shared_role_headers_has_the_plain_forwards_gradients(random
     chunks = trainer.config.gradient_cp_steps
     # with the gradient, one header forward per adapter, minibatch and set of agents in a chunk (chunks of the same
     # agents share it); without (the reference policy's scoring), one per chunk
-    groups, reference = len(trainer.adapter_groups(list(range(team.n_agents)))), chunks if trainer.config.kl_coef else 0
+    groups, reference = len(trainer.adapter_groups(list(range(team.n_agents)))), chunks if trainer.config.effective_kl_coef else 0
     per_chunk = groups * (chunks + reference) + sum(chunks * len(team.critic.agents_of(c)) for c in team.critic_adapters)
     assert groups * (1 + reference) + len(team.critic_adapters) <= shared_runs <= per_chunk
 

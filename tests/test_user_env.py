@@ -248,3 +248,24 @@ def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_p
     assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", str(32 * 60), "--output_dir", str(rl)]) == 0
     summary = json.loads((rl / "summary.json").read_text())
     assert summary["accuracy_before"] <= 0.3 and summary["accuracy_after"] >= 0.7, summary
+
+
+@pytest.mark.slow
+def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_path, user_package):
+    """The guide's ParityDigitEnv (the round asks for an even or an odd digit; a team that ignores the condition and
+    agrees on one digit scores 0.5), trained exactly as the guide says: format-only demonstrations, then RL from the
+    warm start for --num_env_steps 19200. The team must read the condition: >= 0.9 on the training rounds and >= 0.7
+    on the held-out ones (issue 29: it stalled at 0.5 when the recipe stopped at 6400 steps, or without the KL)."""
+    from marft.cli.sft import main as sft_main
+    from marft.trained.evaluate import evaluate
+
+    blocks = readme_python_blocks()
+    agree = next(b for b in blocks if "class AgreeDigitEnv" in b)
+    (user_package / "my_envs" / "agree.py").write_text(agree + "\n\n" + next(b for b in blocks if "class ParityDigitEnv" in b))
+    sft, rl = tmp_path / "parity_sft", tmp_path / "parity_rl"
+    assert sft_main(["--env_name", "my_envs.agree:ParityDigitEnv", "--profile_path", "reasoner_actor_anonymous", "--n_rollout_threads", "32",
+                     "--episode_length", "1", "--sft_steps", "200", "--output_dir", str(sft)]) == 0
+    assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", "19200", "--output_dir", str(rl)]) == 0
+    summary = json.loads((rl / "summary.json").read_text())
+    trained = evaluate(load_path=rl, split="train", output_dir=tmp_path / "eval_train", progress=False)
+    assert summary["accuracy_before"] <= 0.2 and summary["accuracy_after"] >= 0.7 and trained["accuracy"] >= 0.9, (summary, trained["accuracy"])

@@ -194,7 +194,7 @@ class PPOTrainer:
         weight against its advantage in every mode. Also its mean over the chunk's tokens (``kl_to_reference``,
         logged). With ``kl_coef`` 0 nothing is added and no reference forward runs. ``token_logp``: ``(B, L)`` of
         the current policy."""
-        if self.config.kl_coef <= 0:
+        if self.config.effective_kl_coef <= 0:
             return
         if mb.ref_logprobs is None:
             raise RuntimeError("--kl_coef > 0 needs the reference log-probs of the replies: update_policy sets them "
@@ -419,7 +419,7 @@ class PPOTrainer:
             return self._skip_update(adapter)
         team.set_active(adapter, trainable=True)
         samples = self.normalized_advantages(samples)
-        if cfg.kl_coef > 0:
+        if cfg.effective_kl_coef > 0:
             samples.ref_logprobs = self.reference_logprobs(samples, adapter)
         stats = defaultdict(list)
         self.scored_positions = [0, 0]
@@ -434,7 +434,7 @@ class PPOTrainer:
                         loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
                         kl_sum = pstats.pop("kl_sum", None)
                         if kl_sum is not None:  # per loss unit of the global minibatch, whatever the chunks
-                            loss = loss + cfg.kl_coef * kl_sum / units
+                            loss = loss + cfg.effective_kl_coef * kl_sum / units
                         if not torch.isfinite(loss):
                             loss_ok = False
                             break
