@@ -154,7 +154,7 @@ def test_kl_coef_not_given_is_the_algorithms_default_and_the_run_records_it(rand
     assert json.loads((runner.save(1) / "config.json").read_text())["algo"]["kl_coef"] == recorded
 
 
-def test_a_warm_start_leaves_the_kl_weight_to_the_algorithm_of_the_run_after_it(random_model_dir, tmp_path):
+def test_a_warm_start_leaves_the_kl_weight_to_the_algorithm_of_the_run_after_it(random_model_dir, tmp_path, caplog):
     """scripts/sft.py saves --kl_coef as given (none: None); RL from it with GRPO, the flags not given coming from
     the warm start's config as the command line merges them, gets GRPO's default, not MARFT-A's."""
     from marft.cli.sft import main as sft_main
@@ -170,4 +170,10 @@ def test_a_warm_start_leaves_the_kl_weight_to_the_algorithm_of_the_run_after_it(
     rl = config(random_model_dir, tmp_path / "rl", horizon=1, algorithm_name="GRPO", group_size=2)
     rl.runner.load_path = str(warm)
     rl = resume_config(rl, {"algorithm_name", "group_size", "horizon", "output_dir", "load_path"})
-    assert build_runner(rl).config.algo.kl_coef == 0.0125
+    with caplog.at_level("INFO", logger="marft"):
+        runner = build_runner(rl)
+        runner.restore(warm)
+    assert runner.config.algo.kl_coef == 0.0125
+    assert "--kl_coef 0.0125: GRPO's default" in caplog.text and "kl_coef changed" not in caplog.text  # not a change
+    assert "starting from the warm start with --algorithm_name 'GRPO' ('APPO' in its config)" in caplog.text
+    assert "resuming with" not in caplog.text

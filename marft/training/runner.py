@@ -232,10 +232,15 @@ class Runner:
         self.trainer.schedule_origin = (self.start_iteration, self.env_steps)
         self.n_iterations = self.config.iterations_after(self.start_iteration, self.env_steps)
         self.last_checkpoint = path
+        warm_start = "envs" not in state and self.start_iteration == 0  # scripts/sft.py's checkpoint: RL starts here
         for name, (old, new) in config_changes(saved_config, self.config).items():
-            if self.dist.is_main and name == "kl_reference" and old == "auto":
+            if not self.dist.is_main or (name == "kl_coef" and old is None):  # the algorithm's default: build_runner said it
+                continue
+            if name == "kl_reference" and old == "auto":
                 logger.info("--kl_reference auto is %r: training starts from a checkpoint", new)
-            elif self.dist.is_main:
+            elif warm_start:
+                logger.info("starting from the warm start with --%s %r (%r in its config)", name, new, old)
+            else:
                 logger.info("resuming with --%s changed: %r in the checkpoint, %r now", name, old, new)
         same_envs = saved_config.get("env", {}).get("env_name") == self.config.env.env_name
         E = self.envs.n_envs  # this process's share
