@@ -254,8 +254,10 @@ def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_p
 def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_path, user_package):
     """The guide's ParityDigitEnv (the round asks for an even or an odd digit; a team that ignores the condition and
     agrees on one digit scores 0.5), trained exactly as the guide says: format-only demonstrations, then RL from the
-    warm start for --num_env_steps 19200. The team must read the condition: >= 0.9 on the training rounds and >= 0.7
-    on the held-out ones (issue 29: it stalled at 0.5 when the recipe stopped at 6400 steps, or without the KL)."""
+    warm start for --num_env_steps 19200. The team must read the condition: well above the 0.5 of a team that ignores
+    it, on the training rounds and on the held-out ones (issue 29: it stalled at 0.5 when the recipe stopped at 6400
+    steps, or without the KL). Seeds 0-4 of this recipe end at 0.745-0.94 held-out, 0.825-0.94 on the training rounds
+    (docs/environments.md)."""
     from marft.cli.sft import main as sft_main
     from marft.trained.evaluate import evaluate
 
@@ -268,4 +270,4 @@ def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_pat
     assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", "19200", "--output_dir", str(rl)]) == 0
     summary = json.loads((rl / "summary.json").read_text())
     trained = evaluate(load_path=rl, split="train", output_dir=tmp_path / "eval_train", progress=False)
-    assert summary["accuracy_before"] <= 0.2 and summary["accuracy_after"] >= 0.7 and trained["accuracy"] >= 0.9, (summary, trained["accuracy"])
+    assert summary["accuracy_before"] <= 0.2 and summary["accuracy_after"] >= 0.7 and trained["accuracy"] >= 0.8, (summary, trained["accuracy"])
