@@ -468,7 +468,9 @@ def test_sampling_with_the_adapter_folded_into_the_base_weights(random_model_dir
             team.model.float()
         assert not torch.equal(merged, unmerged)  # a different computation ...
         merged_error, unmerged_error = (merged.double() - exact).abs().max(), (unmerged.double() - exact).abs().max()
-        assert merged_error < 1e-4 and merged_error <= 5 * unmerged_error  # ... of the same function, to float32 rounding
+        # ... of the same function, to float32 rounding (logits ~0.7 here; which of the two rounds closer to the float64
+        # computation depends on the CPU's kernels: 8x either way between an AMD EPYC and an Intel Xeon)
+        assert merged_error < 1e-4 and unmerged_error < 1e-4
         with torch.no_grad():
             with team.bank.reference_policy():
                 base_logits = team.model(input_ids=ids, attention_mask=mask).logits
@@ -487,12 +489,12 @@ def test_sampling_with_the_adapter_folded_into_the_base_weights(random_model_dir
         torch.manual_seed(5)
         want = off.sample(adapter, ids, mask, agent)
         assert torch.equal(got.response_ids, want.response_ids)
-        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)  # float32 rounding of logits ~3e-5 (above)
 
     merged_outs, plain_outs = play_step_with_values(team), play_step_with_values(off)
     for got, want in zip(merged_outs, plain_outs):  # a whole team step: the same replies, log-probs and critic values
         assert torch.equal(got.response_ids, want.response_ids)
-        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)  # values ~3: float32 rounding
         torch.testing.assert_close(got.token_values, want.token_values, atol=1e-5, rtol=1e-4)
         assert got.values.abs().max() > 1e-3
