@@ -97,7 +97,7 @@ GRPO: critic-free, group-relative."""
 
 KL_COEF_DEFAULTS: dict[str, float] = {"APPO": 0.1, "TPPO": 0.1, "GRPO": 0.0125}
 """``--algorithm_name`` → the KL penalty's weight when ``--kl_coef`` is not given. GRPO's is an eighth of the
-others': its group-relative advantages are zero on every reply of a group that all solved or all failed (about 80 %
-of the replies on ``relay_sum`` once training has found the answer, ``charts/zero_advantage_share``), while MARFT-A
+others': its group-relative advantages are zero on every reply of a group that all solved or all failed (most replies
+once training has found the answer: ``charts/zero_advantage_share``), while MARFT-A
 and MARFT-T standardise their advantages over the whole batch, so the same weight pulls several times harder
 against GRPO's policy gradient than against theirs (docs/algorithms.md)."""
