@@ -58,7 +58,7 @@ class ModelConfig:
     lora_dropout: float = 0.0
     """Dropout on the LoRA path, active in the update only (rollouts, values and scoring run in eval mode); with a non-zero value the first PPO epoch's ratio is no longer exactly 1."""
     lora_target_modules: str = "all-linear"
-    """Comma-separated module names to adapt, or ``all-linear``."""
+    """Comma-separated module names to adapt, or ``all-linear`` (every linear layer but the output layer); ``all-linear,lm_head`` adapts the output layer too, which a reply needs when its tokens are ones the base model never learned to output (the embedded models' ``[`` and ``]``: a game's moves)."""
     max_new_tokens: int = 16
     """Longest reply an agent may generate in one turn, in tokens."""
     context_window: int = 512

@@ -94,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
     p.add_argument("--sft_steps", type=int, default=0, help="learning: supervised warm-start steps of the adapters on the env's demonstrations before RL")
+    p.add_argument("--n_demonstrations", type=int, default=2000, help="learning: demonstrations drawn for the warm start (--sft_steps)")
     p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
     p.add_argument("--compare_backend", default=None, help="rollout: also time this --generation_backend on the same team and envs, "
@@ -241,6 +242,20 @@ def route_calls(runner, args) -> dict:
     return {"right_calls_before": right_share(evaluations[0]), "right_calls_after": right_share(evaluations[-1])}
 
 
+def game_results(runner, args) -> dict:
+    """``games_before`` / ``games_after``: on a game env (``textarena:<id>``), the first and the last evaluation's win /
+    draw / loss rates per seat and invalid-move rate (:func:`marft.trained.evaluate.game_figures`), read from their
+    transcripts (``transcripts/eval_<iteration>.jsonl``)."""
+    from marft.trained.evaluate import game_figures
+
+    evaluations = sorted((Path(args.output_dir) / "transcripts").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    if not evaluations:
+        return {}
+    figures = [game_figures([json.loads(line) for line in path.read_text().splitlines() if line.strip()], runner.roles)
+               for path in (evaluations[0], evaluations[-1])]
+    return {"games_before": figures[0].get("games"), "games_after": figures[1].get("games")} if figures[0] else {}
+
+
 def bench_learning(args) -> dict:
     """Train on the env's train split; report success on held-out episodes of the test split (tasks
     never trained on) and on fresh episodes of the training tasks, before and after."""
@@ -255,7 +270,7 @@ def bench_learning(args) -> dict:
     if args.sft_steps:  # the protocol first (e.g. the orchestrator's tags, with routing at random), then RL
         from marft.sft import SFTConfig, demonstrations, turn_examples, warm_start
 
-        examples = turn_examples(runner.team.prompts, demonstrations(make_train_env, 2000, args.seed), eos_id=runner.team.eos_id,
+        examples = turn_examples(runner.team.prompts, demonstrations(make_train_env, args.n_demonstrations, args.seed), eos_id=runner.team.eos_id,
                                  max_reply_tokens=args.max_new_tokens)
         losses = warm_start(runner.team, examples, SFTConfig(sft_steps=args.sft_steps), seed=args.seed)
         print(f"warm start: {args.sft_steps} steps, reply loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
@@ -285,6 +300,7 @@ def bench_learning(args) -> dict:
         **({"calls_before": summary["orchestrator_calls_before"], "calls_after": summary["orchestrator_calls_after"]}
            if "orchestrator_calls_before" in summary else {}),
         **(route_calls(runner, args) if args.env_name == "route" else {}),
+        **(game_results(runner, args) if args.env_name.startswith("textarena:") else {}),
         "iterations": summary["iterations"],
         "seed": args.seed,
         "run_dir": args.output_dir,

@@ -216,3 +216,45 @@ def test_two_processes_each_run_their_own_engine(tmp_path):
     assert logs.count("distributed_executor_backend': 'external_launcher'") == 2  # one engine per process
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["iterations"] == 2
+
+
+OUTPUT_LAYER_CHECK = """
+import dataclasses, json, torch
+from marft.agents.backends import make_backend
+from marft.agents.team import AgentTeam
+from marft.config import ModelConfig
+from marft.envs.profile import load_profile
+from marft.models.loading import load_base_model
+histories = ["Problem: What is 3 + 4?\\n", "Problem: What is 1 + 1?\\n"] * 6
+config = ModelConfig(model_name_or_path="marft-tiny", max_new_tokens=16, context_window=256, lora_target_modules="all-linear,lm_head")
+model, tokenizer = load_base_model(config)
+torch.manual_seed(0)
+team = AgentTeam(model, tokenizer, load_profile("reasoner_actor", n_agents=2), config)
+generator = torch.Generator().manual_seed(1)
+with torch.no_grad():
+    for name, p in team.model.named_parameters():
+        if "lora_B" in name:
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+team.config = dataclasses.replace(config, generation_backend="vllm")
+team.backend = make_backend("vllm", team.headers, team.sampling, False, config=team.config)
+torch.manual_seed(0)
+out = team.act(0, histories, [[] for _ in histories])
+mask = out.response_mask.bool()
+adapter = team.agent_adapters[0]
+with torch.no_grad():
+    team.model.get_output_embeddings().lora_B[adapter].weight.zero_()  # the trainer without the output layer's part
+    without = team.response_logprobs(adapter, out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask).logprobs
+print(json.dumps({"gap": float((out.logprobs - out.sampling_logprobs)[mask].abs().mean()),
+                  "head_effect": float((out.logprobs - without)[mask].abs().mean())}))
+team.backend.engine.close()
+"""
+
+
+def test_an_adapted_output_layer_is_served_as_the_trainer_scores_it():
+    """``--lora_target_modules all-linear,lm_head``: the engine applies the output layer's LoRA too (its replies'
+    log-probs are the trainer's, where leaving that part out would move them far more). Its own process: one engine
+    per process."""
+    result = subprocess.run([sys.executable, "-c", OUTPUT_LAYER_CHECK], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert figures["gap"] <= GAP and figures["head_effect"] > 100 * GAP, figures

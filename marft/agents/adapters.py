@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -21,6 +22,21 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 if TYPE_CHECKING:
     from marft.config import ModelConfig
+
+
+def lora_targets(base_model: nn.Module, target: str) -> str | list[str]:
+    """peft's ``target_modules`` for ``--lora_target_modules``: ``all-linear`` as it is (every linear layer but the
+    output layer, peft's rule); comma-separated names as a list, where an ``all-linear`` among them stands for the
+    names of those linear layers, so ``all-linear,lm_head`` adapts the output layer too."""
+    names = [t.strip() for t in target.split(",") if t.strip()]
+    if names == ["all-linear"] or "all-linear" not in names:
+        return "all-linear" if names == ["all-linear"] else names
+    from transformers.pytorch_utils import Conv1D
+
+    output = base_model.get_output_embeddings()
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in base_model.named_modules()
+                     if isinstance(module, (nn.Linear, Conv1D)) and module is not output})
+    return linear + [name for name in names if name != "all-linear" and name not in linear]
 
 
 def adapter_name_for(role: str) -> str:
@@ -54,20 +70,28 @@ class AdapterBank:
 
     def __init__(self, base_model, config: ModelConfig, names: Sequence[str]):
         self.names = list(names)
-        target = config.lora_target_modules
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
-            target_modules=target if target == "all-linear" else [t.strip() for t in target.split(",")],
+            target_modules=lora_targets(base_model, config.lora_target_modules),
             task_type="CAUSAL_LM",
         )
         for p in base_model.parameters():
             p.requires_grad_(False)
-        self.model = get_peft_model(base_model, lora, adapter_name=self.names[0])
-        for name in self.names[1:]:
-            self.model.add_adapter(name, lora)
+        with warnings.catch_warnings():  # an adapted output layer tied to the input embedding: the LoRA is the output
+            # layer's alone, by design (merged() never folds it in, the export unties it before merging)
+            warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
+            self.model = get_peft_model(base_model, lora, adapter_name=self.names[0])
+            for name in self.names[1:]:
+                self.model.add_adapter(name, lora)
         self.lora_layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self.output_layer_adapted = isinstance(self.model.get_output_embeddings(), BaseTunerLayer)
+        """Whether the adapters include the output layer (``--lora_target_modules all-linear,lm_head``)."""
+        embeddings = base_model.get_input_embeddings()
+        self.tied_layers = [layer for layer in self.lora_layers
+                            if embeddings is not None and getattr(layer.get_base_layer(), "weight", None) is embeddings.weight]
+        """LoRA layers whose base weight is also the input embedding (an output layer tied to it): never merged into."""
         self.lora_dropouts = [m for layer in self.lora_layers for m in getattr(layer, "lora_dropout", {}).values()]
         self.revisions: dict[str, int] = {}
         """Per adapter, how many times its weights were changed by an optimizer step or a checkpoint load
@@ -189,12 +213,13 @@ class AdapterBank:
         The sums are temporary tensors (memory: one more copy of the adapted weights while inside); on exit each
         base weight gets its original tensor back, bit for bit (peft's ``merge``/``unmerge`` would add and subtract
         ΔW, which does not restore W exactly). Outputs equal the unmerged forward's to float32 rounding (~1e-6).
-        Raises when :meth:`can_merge` is false."""
+        An adapted output layer whose weight is the input embedding too (tied) keeps its LoRA branch: folded in,
+        the update would change the input embedding as well. Raises when :meth:`can_merge` is false."""
         if not self.can_merge(adapter):
             raise ValueError(f"adapter {adapter!r} cannot be merged (not plain float32 LoRA on linear layers)")
         if self.merged_adapter is not None:
             raise RuntimeError(f"adapter {self.merged_adapter!r} is merged already")
-        layers = self.layers_of(adapter)
+        layers = [layer for layer in self.layers_of(adapter) if layer not in self.tied_layers]  # a tied layer keeps its LoRA branch
         originals = [(layer.get_base_layer().weight, layer.get_base_layer().weight.data, layer._disable_adapters) for layer in layers]
         try:
             with torch.no_grad():

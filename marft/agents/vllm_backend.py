@@ -254,7 +254,7 @@ class AdapterSync:
         lora_id, self.next_id = self.next_id, self.next_id + 1
         folder = self.root / f"{adapter}-v{lora_id}"
         folder.mkdir(parents=True)
-        state = get_peft_model_state_dict(self.peft_model, adapter_name=adapter)
+        state = get_peft_model_state_dict(self.peft_model, adapter_name=adapter, save_embedding_layers=False)  # the base is the engine's
         if self.padding is not None:
             state = {name: self.padding.pad(name, tensor, *self.heads) for name, tensor in state.items()}
         # fresh contiguous copies in the adapter's own dtype: the engine may rescale what it is given in place

@@ -68,7 +68,7 @@ def save_adapter(team, adapter: str, folder: Path) -> Path:
     (peft puts an adapter named ``default`` at the top of the folder it is given, any other in a subfolder)."""
     staging = folder.parent / f".{folder.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
-    team.model.save_pretrained(staging, selected_adapters=[adapter])
+    team.model.save_pretrained(staging, selected_adapters=[adapter], save_embedding_layers=False)
     saved = staging if (staging / "adapter_config.json").is_file() else staging / adapter
     os.replace(saved, folder)
     shutil.rmtree(staging, ignore_errors=True)
@@ -87,13 +87,20 @@ def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer, config)
     """A full model: ``base`` with the adapter in ``adapter_folder`` merged in, saved to ``out`` (safetensors)
     with its tokenizer. Loads a fresh copy of the base in the run's dtype (``--dtype``; a float32 LoRA update
     merged into half-precision weights would be rounded away), so the team's own weights are untouched."""
+    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from marft.agents.dtypes import TORCH_DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=TORCH_DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
-    merged = PeftModel.from_pretrained(model, str(adapter_folder)).merge_and_unload()
+    adapted = PeftModel.from_pretrained(model, str(adapter_folder))
+    output = adapted.get_output_embeddings()
+    if getattr(output, "base_layer", None) is not None and output.base_layer.weight is model.get_input_embeddings().weight:
+        # an adapted output layer tied to the input embedding: untie it first, or the merge would change both
+        output.base_layer.weight = torch.nn.Parameter(output.base_layer.weight.detach().clone())
+        model.config.tie_word_embeddings = False
+    merged = adapted.merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     shutil.copy(adapter_folder / "adapter_config.json", out / "merged_from_adapter_config.json")

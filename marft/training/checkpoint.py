@@ -111,7 +111,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         for adapter in [*team.adapters, *team.reference_adapters.values()]:
-            team.model.save_pretrained(tmp, selected_adapters=[adapter])
+            team.model.save_pretrained(tmp, selected_adapters=[adapter], save_embedding_layers=False)
         if team.has_critic:
             save_file({k: v.detach().cpu().contiguous() for k, v in value_head_state(team).items()}, tmp / "value_head.safetensors")
         torch.save(trainer.state_dict(), tmp / "optimizers.pt")

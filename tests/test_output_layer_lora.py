@@ -1,0 +1,160 @@
+"""``--lora_target_modules all-linear,lm_head``: adapters on the output layer too.
+
+An adapter on the decoder alone can only steer the final state; which tokens that state can make likely is set by the
+frozen output layer. On the embedded models ``[`` and ``]`` (every TextArena move's brackets) never were outputs in
+their build, and no final state gives either more than ~0.8 %: a game's moves cannot be learned there without an
+adapted output layer. These tests check that the output layer is adapted exactly when asked, that a tied output layer
+(its weight is the input embedding too) is never folded into (which would change the input embedding), that
+checkpoints hold LoRA weights only, that the export's merged model keeps the input embedding, and that on the embedded model the warm start learns a bracketed move with it and not without it.
+"""
+
+import json
+
+import pytest
+import torch
+from test_team import HISTORIES, make_team
+
+from marft.launch import main as train_main
+
+HEAD = "all-linear,lm_head"
+
+
+def adapted_modules(team) -> set[str]:
+    return {name.split(".lora_A.")[0].rsplit(".", 1)[-1] for name, _ in team.model.named_parameters() if ".lora_A." in name}
+
+
+def randomize_adapters(team, std=0.3):
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=std)
+
+
+def test_all_linear_with_lm_head_adapts_the_output_layer_besides_every_linear_layer(random_model_dir):
+    plain, with_head = make_team(random_model_dir), make_team(random_model_dir, lora_target_modules=HEAD)
+    assert with_head.model.get_output_embeddings() is not plain.model.get_output_embeddings()
+    assert adapted_modules(with_head) - adapted_modules(plain) == {"lm_head"}
+    assert adapted_modules(plain) <= adapted_modules(with_head) and "q_proj" in adapted_modules(plain)
+    assert with_head.bank.output_layer_adapted and not plain.bank.output_layer_adapted
+    assert len(with_head.bank.tied_layers) == 1  # the random model ties its output layer to the input embedding
+
+
+def test_the_output_layer_adapter_changes_the_logits_and_the_input_embedding_stays(random_model_dir):
+    team = make_team(random_model_dir, lora_target_modules=HEAD)
+    randomize_adapters(team)
+    embedding = team.model.get_input_embeddings().weight.detach().clone()
+    ids, mask = team.encode_prompts(1, HISTORIES, [[("Reasoner", "hi")], [], []])
+    head = team.model.get_output_embeddings()
+    team.bank.route(team.agent_adapters[1])
+    with torch.no_grad():
+        adapted = team.model(input_ids=ids, attention_mask=mask).logits
+        head.lora_B[team.agent_adapters[1]].weight.zero_()  # the same adapter without its output-layer part
+        decoder_only = team.model(input_ids=ids, attention_mask=mask).logits
+    assert (adapted - decoder_only).abs().max() > 1e-2
+    assert torch.equal(team.model.get_input_embeddings().weight, embedding)
+
+
+def test_merged_sampling_keeps_a_tied_output_layer_unfolded(random_model_dir):
+    """Folding the output layer's update into a weight shared with the input embedding would change the input
+    embedding too; inside ``merged`` the logits equal the unmerged ones and the embedding is the very same tensor."""
+    team = make_team(random_model_dir, lora_target_modules=HEAD)
+    randomize_adapters(team)
+    embedding = team.model.get_input_embeddings().weight
+    before = embedding.detach().clone()
+    ids, mask = team.encode_prompts(1, HISTORIES, [[("Reasoner", "hi")], [], []])
+    for adapter in team.agent_adapters:
+        team.bank.route(adapter)
+        with torch.no_grad():
+            unmerged = team.model(input_ids=ids, attention_mask=mask).logits
+            with team.bank.merged(adapter):
+                assert torch.equal(team.model.get_input_embeddings().weight, before)
+                merged = team.model(input_ids=ids, attention_mask=mask).logits
+        scale = unmerged.abs().max()  # logits of ~50 with these adapters: float32 rounding ~1e-5 of that
+        torch.testing.assert_close(merged, unmerged, atol=float(1e-4 * scale), rtol=0)
+        assert scale > 1
+    assert torch.equal(embedding, before)
+
+
+@pytest.fixture(scope="module")
+def head_run(random_model_dir, tmp_path_factory):
+    run = tmp_path_factory.mktemp("head_run")
+    argv = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
+            "--context_window", "128", "--n_rollout_threads", "4", "--episode_length", "1", "--num_env_steps", "8",
+            "--eval_episodes", "2", "--n_eval_threads", "2", "--seed", "5", "--lr", "0.05", "--lora_target_modules", HEAD,
+            "--output_dir", str(run)]
+    assert train_main(argv) == 0
+    return run
+
+
+def test_checkpoints_hold_lora_weights_only_and_load_back(head_run):
+    from safetensors.torch import load_file
+
+    from marft.trained.evaluate import checkpoint_config, load_team
+
+    checkpoint = head_run / "checkpoints" / "steps_2"
+    for file in checkpoint.rglob("adapter_model.safetensors"):
+        names = load_file(file)
+        assert names and all("lora_" in name for name in names), file  # no copy of the embedding
+        assert any("lm_head" in name for name in names), file
+    config, found = checkpoint_config(head_run)
+    team, _, _ = load_team(config, found)
+    saved = load_file(checkpoint / team.agent_adapters[0] / "adapter_model.safetensors")
+    head_b = next(v for k, v in saved.items() if "lm_head.lora_B" in k)
+    assert head_b.abs().max() > 0  # the update trained the output layer's adapter
+    assert torch.equal(team.model.get_output_embeddings().lora_B[team.agent_adapters[0]].weight, head_b)
+
+
+def test_the_exported_merged_model_keeps_the_input_embedding(head_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from marft.trained.evaluate import checkpoint_config, load_team
+    from marft.trained.export import export
+
+    out = export(head_run, tmp_path / "team", merge=True)
+    team_file = json.loads((out / "team.json").read_text())
+    config, checkpoint = checkpoint_config(head_run)
+    team, _, _ = load_team(config, checkpoint)
+    base = AutoModelForCausalLM.from_pretrained(team_file["base_model_path"])
+    ids = torch.tensor([[5, 17, 33, 41, 2, 9, 12]])
+    for role in team_file["roles"]:
+        team.set_active(role["adapter"])
+        merged = AutoModelForCausalLM.from_pretrained(str(out / role["merged_model"]))
+        with torch.no_grad():
+            expected = team.model(input_ids=ids).logits
+            assert (expected - merged(input_ids=ids).logits).abs().max() <= 1e-4
+        assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)
+        assert not torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+    team.set_active(None)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_embedded_model_learns_a_bracketed_move_only_with_an_adapted_output_layer():
+    """The warm start on Tic-Tac-Toe's random legal moves (`` [4]``): without the output layer the ``[`` stays at the
+    frozen layer's ceiling (log-prob ≈ -4.8 whatever the adapter); with it, the move's brackets are learned."""
+    pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
+    from marft.config import parse_config
+    from marft.launch import build_team, validate
+    from marft.sft import SFTConfig, collate_turns, demonstrations, turn_examples, warm_start
+
+    nll_of_bracket = {}
+    for target in ("all-linear", HEAD):
+        config, _ = parse_config(["--env_name", "textarena:TicTacToe-v0", "--profile_path", "game_player", "--max_new_tokens", "4",
+                                  "--context_window", "160", "--lora_target_modules", target])
+        profile, make_env, _ = validate(config)
+        team, _ = build_team(config, profile)
+        transcripts = demonstrations(make_env, 400, seed=0)
+        examples = turn_examples(team.prompts, transcripts, eos_id=team.eos_id, max_reply_tokens=4)
+        assert team.tokenizer.convert_ids_to_tokens(examples[0].reply_ids[1]) == "["
+        warm_start(team, examples[:300], SFTConfig(sft_steps=60), seed=0)
+        held_out = examples[300:364]
+        ids, mask, labels = collate_turns(held_out, team.pad_id)
+        team.bank.route(team.agent_adapters[0])
+        with torch.no_grad():
+            logp = torch.log_softmax(team.model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), -1)
+        targets = labels[:, 1:]
+        first = (targets != -100).float().argmax(1)  # the reply's first position (" "); the "[" is next
+        rows = torch.arange(len(held_out))
+        nll_of_bracket[target] = -logp[rows, first + 1, targets[rows, first + 1]].mean().item()
+    assert nll_of_bracket["all-linear"] > 4.0, nll_of_bracket  # capped by the frozen output layer
+    assert nll_of_bracket[HEAD] < 1.0, nll_of_bracket
