@@ -39,6 +39,16 @@ def lora_targets(base_model: nn.Module, target: str) -> str | list[str]:
     return linear + [name for name in names if name != "all-linear" and name not in linear]
 
 
+@contextmanager
+def tied_output_layer_allowed():
+    """Without peft's warning that an adapter covers an output layer tied to the input embedding: here that LoRA is
+    the output layer's alone, by design (:meth:`AdapterBank.merged` never folds it in, the export unties the layer
+    before merging)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
+        yield
+
+
 def adapter_name_for(role: str) -> str:
     """A peft-safe adapter name for a role ("Agent 1" → "agent_1")."""
     name = re.sub(r"[^0-9a-zA-Z_]+", "_", role.strip()).strip("_").lower()
@@ -79,9 +89,7 @@ class AdapterBank:
         )
         for p in base_model.parameters():
             p.requires_grad_(False)
-        with warnings.catch_warnings():  # an adapted output layer tied to the input embedding: the LoRA is the output
-            # layer's alone, by design (merged() never folds it in, the export unties it before merging)
-            warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
+        with tied_output_layer_allowed():
             self.model = get_peft_model(base_model, lora, adapter_name=self.names[0])
             for name in self.names[1:]:
                 self.model.add_adapter(name, lora)
@@ -159,7 +167,8 @@ class AdapterBank:
         for source, name in copies.items():
             config = copy.deepcopy(self.model.peft_config[source])
             config.lora_dropout = 0.0
-            self.model.add_adapter(name, config)
+            with tied_output_layer_allowed():
+                self.model.add_adapter(name, config)
             self.copy_weights(source, name)
         self.route(active)
         self.train_only(None)

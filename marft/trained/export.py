@@ -91,10 +91,12 @@ def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer, config)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from marft.agents.adapters import tied_output_layer_allowed
     from marft.agents.dtypes import TORCH_DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=TORCH_DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
-    adapted = PeftModel.from_pretrained(model, str(adapter_folder))
+    with tied_output_layer_allowed():
+        adapted = PeftModel.from_pretrained(model, str(adapter_folder))
     output = adapted.get_output_embeddings()
     if getattr(output, "base_layer", None) is not None and output.base_layer.weight is model.get_input_embeddings().weight:
         # an adapted output layer tied to the input embedding: untie it first, or the merge would change both
