@@ -229,6 +229,42 @@ def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: i
     return losses
 
 
+def unlearned_reply_tokens(team, examples: Sequence[TurnExample], nll_above: float = 3.0, min_share: float = 0.2,
+                           max_examples: int = 256, most: int = 10) -> dict[str, float]:
+    """The format tokens the warm start left unlikely: ``{token: mean negative log-likelihood}`` (at most ``most``,
+    the least likely first) of the reply tokens that occur in at least ``min_share`` of the first ``max_examples``
+    examples' replies (a format's tokens, not content) with a mean above ``nll_above`` nats, each reply scored
+    through its own agent's adapter.
+
+    A token the base model never learned to output can be out of reach of every adapter on the decoder (the frozen
+    output layer caps it): the embedded models' ``[`` and ``]`` stay near 4.8 nats. Adapting the output layer
+    (``--lora_target_modules all-linear,lm_head``) lifts the cap."""
+    by_token: dict[int, list[float]] = {}
+    replies_with: dict[int, int] = {}
+    sample = list(examples[:max_examples])
+    for adapter in team.policy_adapters:
+        mine = [e for e in sample if team.agent_adapters[e.agent] == adapter]
+        for start in range(0, len(mine), 32):
+            batch = mine[start:start + 32]
+            ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
+            team.bank.route(adapter)
+            with torch.no_grad():
+                hidden = team.model.get_base_model().get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, C)
+                targets = labels[:, 1:]  # (B, T-1)
+                scored = targets != -100
+                logits = team.model.get_output_embeddings()(hidden[:, :-1][scored]).float()  # (N, V)
+                nll = torch.nn.functional.cross_entropy(logits, targets[scored], reduction="none")  # (N,)
+            for token, value in zip(targets[scored].tolist(), nll.tolist()):
+                by_token.setdefault(token, []).append(value)
+            for e in batch:
+                for token in set(e.reply_ids):
+                    replies_with[token] = replies_with.get(token, 0) + 1
+    team.set_active(None)
+    means = {token: sum(v) / len(v) for token, v in by_token.items() if replies_with.get(token, 0) >= min_share * len(sample)}
+    unlikely = sorted(((m, token) for token, m in means.items() if m > nll_above), reverse=True)[:most]
+    return {team.tokenizer.convert_ids_to_tokens(token): round(m, 2) for m, token in unlikely}
+
+
 def demonstrations(make_env, n: int, seed: int) -> list[dict]:
     """``n`` transcripts from an environment's ``demonstrations(n)`` (drawn with its ``np_random`` after ``reset(seed)``).
 

@@ -158,3 +158,26 @@ def test_the_embedded_model_learns_a_bracketed_move_only_with_an_adapted_output_
         nll_of_bracket[target] = -logp[rows, first + 1, targets[rows, first + 1]].mean().item()
     assert nll_of_bracket["all-linear"] > 4.0, nll_of_bracket  # capped by the frozen output layer
     assert nll_of_bracket[HEAD] < 1.0, nll_of_bracket
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_warm_start_names_format_tokens_it_could_not_make_likely(tmp_path, caplog):
+    """``marft sft``: after the warm start, reply tokens in many replies that are still unlikely are logged with the
+    flag that lifts an output layer's cap, and recorded in ``sft_summary.json``; with the output layer adapted none."""
+    pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
+    import logging
+
+    from marft.cli.sft import main as sft_main
+
+    common = ["--env_name", "textarena:TicTacToe-v0", "--profile_path", "game_player", "--max_new_tokens", "4", "--context_window", "160",
+              "--n_demonstrations", "300", "--sft_steps", "60"]
+    with caplog.at_level(logging.WARNING, logger="marft.sft"):
+        assert sft_main([*common, "--output_dir", str(tmp_path / "plain")]) == 0
+    unlearned = json.loads((tmp_path / "plain" / "sft_summary.json").read_text())["unlearned_reply_tokens"]
+    assert set(unlearned) >= {"[", "]"} and min(unlearned.values()) > 3.0, unlearned
+    assert "--lora_target_modules all-linear,lm_head" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="marft.sft"):
+        assert sft_main([*common, "--lora_target_modules", HEAD, "--output_dir", str(tmp_path / "head")]) == 0
+    assert json.loads((tmp_path / "head" / "sft_summary.json").read_text())["unlearned_reply_tokens"] == {}
+    assert "still unlikely" not in caplog.text

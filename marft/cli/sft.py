@@ -14,7 +14,7 @@ import time
 from marft.config import SECTIONS, TrainConfig, parse_sections
 from marft.faults import CheckpointError, CheckpointWriteError, ExitCode
 from marft.launch import build_team, default_run_dir, validate
-from marft.sft import SFTConfig, demonstrations, load_transcripts, turn_examples, warm_start
+from marft.sft import SFTConfig, demonstrations, load_transcripts, turn_examples, unlearned_reply_tokens, warm_start
 from marft.training.checkpoint import save_checkpoint
 
 
@@ -44,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     losses = warm_start(team, examples, sft_config, seed=config.runner.seed)
+    unlearned = unlearned_reply_tokens(team, examples)
+    if unlearned:
+        hint = ("; the output layer is frozen and may cap them: try --lora_target_modules all-linear,lm_head"
+                if not team.bank.output_layer_adapted else "; more --sft_steps may help")
+        logging.getLogger("marft.sft").warning("after the warm start these reply tokens are still unlikely (mean nats): %s%s", unlearned, hint)
     run_dir = default_run_dir(config)
     state = {"iteration": 0, "env_steps": 0, "roles": [spec.role for spec in profile], "next_agents": trainer.agents_to_train(0),
              "counters": dict(trainer.counters), "sft": {"transcripts": len(transcripts), "skipped": skipped, "turns": len(examples),
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.TRAINING_STOPPED
-    summary = {**state["sft"], "seconds": round(time.perf_counter() - start, 1), "checkpoint": str(checkpoint)}
+    summary = {**state["sft"], "unlearned_reply_tokens": unlearned, "seconds": round(time.perf_counter() - start, 1), "checkpoint": str(checkpoint)}
     (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"warm start done in {summary['seconds']:.0f}s: {len(examples)} turns of {len(transcripts)} transcripts "
           f"({skipped} skipped), reply loss {losses[0]:.3f} -> {losses[-1]:.3f}; start RL with --load_path {checkpoint}", flush=True)
