@@ -402,3 +402,41 @@ def test_versus_random_is_for_self_play_games(random_model_dir, tmp_path):
     assert player_run(random_model_dir, run) == 0
     with pytest.raises(ValueError, match="self-play"):
         evaluate(run, episodes=2, versus_random="Player", progress=False)
+
+
+@pytest.mark.slow
+def test_a_self_play_agent_is_evaluated_against_another_checkpoints_adapter(random_model_dir, tmp_path):
+    """``--versus_checkpoint PATH --versus_role "Player B"``: Player B plays with its adapter from PATH (e.g. the warm
+    start), Player A with the evaluated run's; the figures are Player A's."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from marft.trained.evaluate import checkpoint_config, evaluate, load_opponent, load_team
+
+    assert self_play_run(random_model_dir, tmp_path / "run", "--entropy_coef", "0.1") == 0
+    assert self_play_run(random_model_dir, tmp_path / "other", "--entropy_coef", "0.1", "--seed", "3") == 0
+    config, checkpoint = checkpoint_config(tmp_path / "run")
+    team, _, make_env = load_team(config, checkpoint)
+    own_a = get_peft_model_state_dict(team.model, adapter_name="player_a")
+    assert load_opponent(team, config, make_env, tmp_path / "other", "Player B") == "Player A"
+    other = load_file(tmp_path / "other" / "checkpoints" / "steps_2" / "player_b" / "adapter_model.safetensors")
+    mine = load_file(checkpoint / "player_b" / "adapter_model.safetensors")
+    assert any(not torch.equal(other[k], mine[k]) for k in other)  # the two runs' Player B differ
+    now_b, now_a = get_peft_model_state_dict(team.model, adapter_name="player_b"), get_peft_model_state_dict(team.model, adapter_name="player_a")
+    assert now_b.keys() == other.keys() and all(torch.equal(now_b[k], other[k]) for k in other)
+    assert all(torch.equal(now_a[k], own_a[k]) for k in own_a)  # Player A keeps the evaluated run's adapter
+
+    summary = evaluate(tmp_path / "run", episodes=4, seed=0, versus_checkpoint=tmp_path / "other", versus_role="Player B", progress=False)
+    assert summary["games"]["role"] == "Player A" and summary["output_dir"].endswith("-versus-other-player_b")
+    from marft.cli.main import main as marft
+
+    assert marft(["eval", "--load_path", str(tmp_path / "run"), "--episodes", "2", "--versus_checkpoint", str(tmp_path / "other"),
+                  "--versus_role", "Player B", "--output_dir", str(tmp_path / "cli")]) == 0
+    assert json.loads((tmp_path / "cli" / "summary.json").read_text())["games"]["role"] == "Player A"
+    with pytest.raises(ValueError, match="one of"):
+        evaluate(tmp_path / "run", episodes=2, versus_checkpoint=tmp_path / "other", versus_role="Player C", progress=False)
+    with pytest.raises(ValueError, match="give one"):
+        evaluate(tmp_path / "run", episodes=2, versus_checkpoint=tmp_path / "other", versus_role="Player B", versus_random="Player B", progress=False)
+    assert player_run(random_model_dir, tmp_path / "player") == 0
+    with pytest.raises(ValueError, match="another team"):
+        load_opponent(team, config, make_env, tmp_path / "player", "Player B")

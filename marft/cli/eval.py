@@ -29,6 +29,9 @@ def build_parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--versus_random", metavar="ROLE", help="self-play games: the random-legal-move player moves for ROLE; "
                    "the game figures are the other role's against it")
+    p.add_argument("--versus_checkpoint", metavar="PATH", help="self-play games: --versus_role plays with its adapter from this checkpoint "
+                   "(or run directory) of the same team, e.g. the warm start: the trained agent against its initial self")
+    p.add_argument("--versus_role", metavar="ROLE", help="the role that plays from --versus_checkpoint")
     p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model]/"
                    "<split>-n<N> or <split>-episodes<E>)")
     return p
@@ -61,7 +64,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         config.runner.n_eval_threads = args.n_eval_threads
     summary = evaluate(args.load_path, config=config, n=args.n, k=args.k or [1], episodes=args.episodes, greedy=args.greedy,
                        output_dir=args.output_dir, seed=args.seed, base_model=args.base_model, split=args.split,
-                       versus_random=args.versus_random)
+                       versus_random=args.versus_random, versus_checkpoint=args.versus_checkpoint, versus_role=args.versus_role)
     print(json.dumps(summary, indent=2), flush=True)
     return 0
 

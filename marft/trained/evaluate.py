@@ -101,7 +101,8 @@ def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test")
 def evaluate(
     load_path: str | Path | None = None, config: TrainConfig | None = None, n: int = 1, k: Sequence[int] = (1,),
     episodes: int | None = None, greedy: bool = False, output_dir: str | Path | None = None, seed: int = 0, progress: bool = True,
-    base_model: bool = False, split: str = "test", versus_random: str | None = None,
+    base_model: bool = False, split: str = "test", versus_random: str | None = None, versus_checkpoint: str | Path | None = None,
+    versus_role: str | None = None,
 ) -> dict:
     """Evaluate the checkpoint at ``load_path`` (``base_model``: its team with fresh adapters, the "before" figure;
     no checkpoint: ``config``'s base model) on ``config``'s held-out split (default: the checkpoint's own config);
@@ -112,6 +113,10 @@ def evaluate(
 
     ``versus_random``: a self-play game's role that the random-legal-move player plays instead; the game figures
     (``games``) are then those of the other role, against it.
+
+    ``versus_checkpoint`` / ``versus_role``: a self-play game's role that plays with its adapter from another checkpoint of
+    the same team (e.g. the warm start the run began from): the trained agent against its initial self; the game
+    figures are then the other role's.
 
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
     ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
@@ -127,8 +132,12 @@ def evaluate(
     config, checkpoint = team_source(load_path, config)
     team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
     perspective = None
+    if versus_random is not None and versus_checkpoint is not None:
+        raise ValueError("--versus_random and --versus_checkpoint each pick the other side of the game: give one")
     if versus_random is not None:
         make_eval_env, perspective = versus_random_player(make_eval_env, versus_random)
+    if versus_checkpoint is not None:
+        perspective = load_opponent(team, config, make_eval_env, versus_checkpoint, versus_role)
     tasks = make_eval_env().unwrapped.num_tasks
     if episodes is None and not tasks:
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
@@ -150,6 +159,7 @@ def evaluate(
         output_dir = (checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
                       / ((f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}")
                          + (f"-versus-random-{versus_random.lower().replace(' ', '_')}" if versus_random else "")
+                         + (f"-versus-{Path(versus_checkpoint).name}-{versus_role.lower().replace(' ', '_')}" if versus_checkpoint else "")
                          + ("" if backend == "decode_loop" else f"-{backend}")))
     out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts)
@@ -236,6 +246,39 @@ def versus_random_player(make_env, role: str):
         return env
 
     return make_versus, other
+
+
+def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, role: str | None) -> str:
+    """``role``'s adapter loaded from ``checkpoint`` (a checkpoint or a run directory of the same team: profile, base
+    model and adapter shape), the other roles' kept; returns the other role, whose games the figures are.
+
+    Raises:
+        ValueError: not a self-play game, no or an unknown ``role``, or a checkpoint of another team.
+        FileNotFoundError: no such checkpoint."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    if not hasattr(make_env().unwrapped, "play_randomly"):
+        raise ValueError("--versus_checkpoint is for self-play games (textarena:<id> with a two-agent profile)")
+    roles = [spec.role for spec in team.profile]
+    if config.model.shared_lora:
+        raise ValueError("--versus_checkpoint swaps one role's adapter, but with --shared_lora every role speaks through one")
+    if role not in roles:
+        raise ValueError(f"--versus_role must be one of {roles} (the role that plays from --versus_checkpoint), got {role!r}")
+    other_config, found = checkpoint_config(checkpoint)
+    same = ("model_name_or_path", "profile_path", "lora_r", "lora_target_modules", "shared_lora")
+    differs = [f for f in same if getattr(other_config.model, f) != getattr(config.model, f)]
+    if differs:
+        raise ValueError(f"--versus_checkpoint {found} is of another team ({', '.join(f'--{f}' for f in differs)} differ)")
+    adapter = team.agent_adapters[roles.index(role)]
+    weights = found / adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"--versus_checkpoint {found} has no adapter {adapter!r} for {role}")
+    result = set_peft_model_state_dict(team.model, load_file(weights, device=str(team.device)), adapter_name=adapter)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{weights} holds weights this team does not have: {result.unexpected_keys[:3]}")
+    team.bank.mark_changed(adapter)
+    return next(r for r in roles if r != role)
 
 
 def role_stats(transcripts: list[dict], roles: Sequence[str]) -> dict[str, dict[str, float]]:
