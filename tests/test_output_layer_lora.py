@@ -40,6 +40,20 @@ def test_all_linear_with_lm_head_adapts_the_output_layer_besides_every_linear_la
     assert len(with_head.bank.tied_layers) == 1  # the random model ties its output layer to the input embedding
 
 
+def test_the_targets_read_all_linear_in_any_case_and_refuse_a_name_no_module_has(random_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    from marft.agents.adapters import lora_targets
+
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir)
+    assert lora_targets(model, "ALL-LINEAR, lm_head,") == lora_targets(model, "all-linear,lm_head")
+    assert lora_targets(model, "All-Linear") == "all-linear" and lora_targets(model, "q_proj,v_proj") == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="lm_haed"):
+        lora_targets(model, "all-linear,lm_haed")  # peft would adapt the rest and skip it silently
+    plain = make_team(random_model_dir, lora_target_modules="ALL-LINEAR")
+    assert "q_proj" in adapted_modules(plain) and "lm_head" not in adapted_modules(plain)
+
+
 def test_the_output_layer_adapter_changes_the_logits_and_the_input_embedding_stays(random_model_dir):
     team = make_team(random_model_dir, lora_target_modules=HEAD)
     randomize_adapters(team)
@@ -181,3 +195,32 @@ def test_the_warm_start_names_format_tokens_it_could_not_make_likely(tmp_path, c
         assert sft_main([*common, "--lora_target_modules", HEAD, "--output_dir", str(tmp_path / "head")]) == 0
     assert json.loads((tmp_path / "head" / "sft_summary.json").read_text())["unlearned_reply_tokens"] == {}
     assert "still unlikely" not in caplog.text
+
+
+def test_an_export_of_an_adapted_input_embedding_keeps_the_output_layer(random_model_dir, tmp_path):
+    """A tied model with its input embedding adapted (``all-linear,embed_tokens``): the merge must not fold the
+    embedding's update into the output layer that shares its weight; peft's tied-layer warning is kept for it."""
+    from transformers import AutoModelForCausalLM
+
+    from marft.trained.evaluate import checkpoint_config, load_team
+    from marft.trained.export import export
+
+    run = tmp_path / "run"
+    assert train_main(["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
+                       "--context_window", "128", "--n_rollout_threads", "4", "--episode_length", "1", "--num_env_steps", "4",
+                       "--eval_episodes", "2", "--n_eval_threads", "2", "--seed", "5", "--lr", "0.05",
+                       "--lora_target_modules", "all-linear,embed_tokens", "--output_dir", str(run)]) == 0
+    out = export(run, tmp_path / "team", merge=True)
+    team_file = json.loads((out / "team.json").read_text())
+    config, checkpoint = checkpoint_config(run)
+    team, _, _ = load_team(config, checkpoint)
+    assert not team.bank.quiet_tied
+    base = AutoModelForCausalLM.from_pretrained(team_file["base_model_path"])
+    ids = torch.tensor([[5, 17, 33, 41, 2, 9, 12]])
+    for role in team_file["roles"]:
+        team.set_active(role["adapter"])
+        merged = AutoModelForCausalLM.from_pretrained(str(out / role["merged_model"]))
+        with torch.no_grad():
+            assert (team.model(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() <= 1e-4
+        assert torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+    team.set_active(None)

@@ -26,26 +26,40 @@ if TYPE_CHECKING:
 
 def lora_targets(base_model: nn.Module, target: str) -> str | list[str]:
     """peft's ``target_modules`` for ``--lora_target_modules``: ``all-linear`` as it is (every linear layer but the
-    output layer, peft's rule); comma-separated names as a list, where an ``all-linear`` among them stands for the
-    names of those linear layers, so ``all-linear,lm_head`` adapts the output layer too."""
+    output layer, peft's rule); comma-separated names as a list, where an ``all-linear`` among them (any case) stands
+    for those linear layers, so ``all-linear,lm_head`` adapts the output layer too. The linear layers are named by
+    their last name segment where no other module ends in one, else by their full paths (as peft does).
+
+    Raises:
+        ValueError: a listed name that no module of the model ends in (peft would skip it without a word)."""
     names = [t.strip() for t in target.split(",") if t.strip()]
-    if names == ["all-linear"] or "all-linear" not in names:
-        return "all-linear" if names == ["all-linear"] else names
+    if [n.lower() for n in names] == ["all-linear"]:
+        return "all-linear"
+    modules = dict(base_model.named_modules())
+    unknown = [n for n in names if n.lower() != "all-linear" and not any(path == n or path.endswith("." + n) for path in modules)]
+    if unknown:
+        raise ValueError(f"--lora_target_modules names {unknown}, which no module of this model is called "
+                         f"(its linear layers end in e.g. {sorted({p.rsplit('.', 1)[-1] for p, m in modules.items() if isinstance(m, nn.Linear)})[:8]})")
+    if not any(n.lower() == "all-linear" for n in names):
+        return names
     from transformers.pytorch_utils import Conv1D
 
     output = base_model.get_output_embeddings()
-    linear = sorted({name.rsplit(".", 1)[-1] for name, module in base_model.named_modules()
-                     if isinstance(module, (nn.Linear, Conv1D)) and module is not output})
-    return linear + [name for name in names if name != "all-linear" and name not in linear]
+    linear = {path for path, module in modules.items() if isinstance(module, (nn.Linear, Conv1D)) and module is not output}
+    short = {path.rsplit(".", 1)[-1] for path in linear}
+    ambiguous = any(path.rsplit(".", 1)[-1] in short for path in modules if path and path not in linear)
+    expanded = sorted(linear if ambiguous else short)
+    return expanded + [n for n in names if n.lower() != "all-linear" and n not in expanded]
 
 
 @contextmanager
-def tied_output_layer_allowed():
-    """Without peft's warning that an adapter covers an output layer tied to the input embedding: here that LoRA is
+def tied_output_layer_allowed(enabled: bool = True):
+    """Without peft's warning that an adapter covers an output layer tied to the input embedding, where that LoRA is
     the output layer's alone, by design (:meth:`AdapterBank.merged` never folds it in, the export unties the layer
-    before merging)."""
+    before merging). ``enabled=False`` (the input embedding adapted too): the warning stays."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
+        if enabled:
+            warnings.filterwarnings("ignore", message="Model has `tie_word_embeddings=True`")
         yield
 
 
@@ -80,16 +94,20 @@ class AdapterBank:
 
     def __init__(self, base_model, config: ModelConfig, names: Sequence[str]):
         self.names = list(names)
+        targets = lora_targets(base_model, config.lora_target_modules)
         lora = LoraConfig(
             r=config.lora_r,
             lora_alpha=config.lora_alpha,
             lora_dropout=config.lora_dropout,
-            target_modules=lora_targets(base_model, config.lora_target_modules),
+            target_modules=targets,
             task_type="CAUSAL_LM",
         )
         for p in base_model.parameters():
             p.requires_grad_(False)
-        with tied_output_layer_allowed():
+        embedding_name = next((n for n, m in base_model.named_modules() if m is base_model.get_input_embeddings()), "")
+        self.quiet_tied = isinstance(targets, str) or not any(embedding_name == t or embedding_name.endswith("." + t) for t in targets)
+        """peft's tied-layer warning is silenced unless the input embedding itself is adapted."""
+        with tied_output_layer_allowed(self.quiet_tied):
             self.model = get_peft_model(base_model, lora, adapter_name=self.names[0])
             for name in self.names[1:]:
                 self.model.add_adapter(name, lora)
@@ -167,7 +185,7 @@ class AdapterBank:
         for source, name in copies.items():
             config = copy.deepcopy(self.model.peft_config[source])
             config.lora_dropout = 0.0
-            with tied_output_layer_allowed():
+            with tied_output_layer_allowed(self.quiet_tied):
                 self.model.add_adapter(name, config)
             self.copy_weights(source, name)
         self.route(active)

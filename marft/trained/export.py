@@ -97,11 +97,15 @@ def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer, config)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=TORCH_DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
     with tied_output_layer_allowed():
         adapted = PeftModel.from_pretrained(model, str(adapter_folder))
-    output = adapted.get_output_embeddings()
-    if getattr(output, "base_layer", None) is not None and output.base_layer.weight is model.get_input_embeddings().weight:
-        # an adapted output layer tied to the input embedding: untie it first, or the merge would change both
-        output.base_layer.weight = torch.nn.Parameter(output.base_layer.weight.detach().clone())
-        model.config.tie_word_embeddings = False
+    output, embedding = adapted.get_output_embeddings(), adapted.get_input_embeddings()
+    output_layer = getattr(output, "base_layer", output)
+    if (output is not output_layer or embedding is not getattr(embedding, "base_layer", embedding)) \
+            and output_layer.weight is getattr(embedding, "base_layer", embedding).weight:
+        # the output layer and the input embedding share a weight and one of them is adapted: untie them first, or the
+        # merge would fold one's update into both
+        output_layer.weight = torch.nn.Parameter(output_layer.weight.detach().clone())
+        for config_part in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+            config_part.tie_word_embeddings = False
     merged = adapted.merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
