@@ -111,12 +111,9 @@ def evaluate(
     ``decode_loop`` samples), or ``results/eval/<time>`` without a checkpoint). ``split``: the env's
     held-out split (a dataset folder's ``<split>.jsonl``, e.g. ``test500``).
 
-    ``versus_random``: a self-play game's role that the random-legal-move player plays instead; the game figures
-    (``games``) are then those of the other role, against it.
-
-    ``versus_checkpoint`` / ``versus_role``: a self-play game's role that plays with its adapter from another checkpoint of
-    the same team (e.g. the warm start the run began from): the trained agent against its initial self; the game
-    figures are then the other role's.
+    ``versus_random``: a self-play game's role that the random-legal-move player plays instead; ``versus_checkpoint``
+    / ``versus_role``: the role that plays with its adapter from another checkpoint of the same team (e.g. the warm
+    start: the trained agent against its initial self). The game figures (``games``) are then the other role's.
 
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
     ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
@@ -131,13 +128,7 @@ def evaluate(
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
     config, checkpoint = team_source(load_path, config)
     team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
-    perspective = None
-    if versus_random is not None and versus_checkpoint is not None:
-        raise ValueError("--versus_random and --versus_checkpoint each pick the other side of the game: give one")
-    if versus_random is not None:
-        make_eval_env, perspective = versus_random_player(make_eval_env, versus_random)
-    if versus_checkpoint is not None:
-        perspective = load_opponent(team, config, make_eval_env, versus_checkpoint, versus_role)
+    make_eval_env, perspective = opponent(team, config, make_eval_env, versus_random, versus_checkpoint, versus_role)
     tasks = make_eval_env().unwrapped.num_tasks
     if episodes is None and not tasks:
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
@@ -246,6 +237,19 @@ def versus_random_player(make_env, role: str):
         return env
 
     return make_versus, other
+
+
+def opponent(team, config: TrainConfig, make_env, versus_random: str | None, versus_checkpoint, versus_role: str | None):
+    """``(make_env, perspective)``: the env and the role whose games are reported, with the other side of a self-play
+    game played by the random-legal-move player (``versus_random``) or by another checkpoint's adapter
+    (``versus_checkpoint``, :func:`load_opponent`); unchanged (None) without either."""
+    if versus_random is not None and versus_checkpoint is not None:
+        raise ValueError("--versus_random and --versus_checkpoint each pick the other side of the game: give one")
+    if versus_random is not None:
+        return versus_random_player(make_env, versus_random)
+    if versus_checkpoint is not None:
+        return make_env, load_opponent(team, config, make_env, versus_checkpoint, versus_role)
+    return make_env, None
 
 
 def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, role: str | None) -> str:
