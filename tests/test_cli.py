@@ -245,3 +245,13 @@ def test_each_subcommands_help_names_it(capsys):
         with pytest.raises(SystemExit):
             marft([command, "--help"])
         assert capsys.readouterr().out.startswith(f"usage: marft {command} "), command
+
+
+def test_training_prints_progress_lines_without_a_terminal(random_model_dir, tmp_path, capsys):
+    """Output to a file or a pipe has no progress bar: about every twentieth of the run prints one line."""
+    argv = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "4",
+            "--context_window", "128", "--n_rollout_threads", "2", "--episode_length", "1", "--num_env_steps", "4",
+            "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(tmp_path / "run")]
+    assert train_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "iteration 1/2: training accuracy" in out and "iteration 2/2: training accuracy" in out and " s\n" in out

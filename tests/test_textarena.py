@@ -37,7 +37,7 @@ def test_textarena_names_resolve_to_the_game():
     env = make(TTT, split="test", profile="game_player")
     assert isinstance(env, TextArenaEnv) and env.game_id == "TicTacToe-v0" and env.roles == ("Player",)
     assert resolve(TTT).func is TextArenaEnv
-    with pytest.raises(ValueError, match="NoSuchGame.*cannot be played"):
+    with pytest.raises(ValueError, match="NoSuchGame.*as a two-player game"):
         make("textarena:NoSuchGame-v0", profile="game_player")
 
 

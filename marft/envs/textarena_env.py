@@ -232,8 +232,10 @@ class TextArenaEnv(MultiAgentTextEnv):
         try:
             Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
         except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
-            raise ValueError(f"TextArena game {game_id!r} cannot be played by two players here: "
-                             f"{type(error).__name__}: {error}") from error
+            hint = ("; TextArena's word games need NLTK corpora, which cannot be downloaded offline" if isinstance(error, LookupError)
+                    else "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else "")
+            raise ValueError(f"TextArena could not start {game_id!r} as a two-player game (an unknown id, a game for another number of "
+                             f"players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
 
     @property
     def num_tasks(self) -> int:
@@ -400,8 +402,9 @@ class TextArenaEnv(MultiAgentTextEnv):
             index = self.choose_task(None)
             self.reset(options={"task_index": index})
             if not self.episode.legal:
-                raise ValueError(f"{self.game_id} lists no legal moves in its observations, so there are no random-legal "
-                                 "demonstrations: warm-start with transcripts of your own (--sft_data FILE.jsonl)")
+                raise ValueError(f"{self.game_id} lists no legal moves in its observations (a line with 'available' and moves in "
+                                 "quotes like '[4]'), so there are no random-legal demonstrations: warm-start with transcripts of your "
+                                 "own (--sft_data FILE.jsonl)")
             while not self.episode.done and self.episode.legal and len(transcripts) < n:
                 mover = self.turns.due[0]
                 move = self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]

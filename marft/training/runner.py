@@ -294,9 +294,13 @@ class Runner:
         before, calls_before = self._evaluate_and_log(self.start_iteration)  # calls: whom an orchestrator called
         self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
         bar = tqdm(range(self.start_iteration, self.n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
+        every = max(1, (self.n_iterations - self.start_iteration) // 20)  # without a terminal (no bar): about 20 progress lines
         for iteration in bar:
             stats = self._iteration(iteration)
             bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
+            if bar.disable and (iteration + 1 - self.start_iteration) % every == 0:
+                self._print(f"iteration {iteration + 1}/{self.n_iterations}: training accuracy {stats.get('charts/accuracy', float('nan')):.3f}, "
+                            f"return {stats.get('charts/episode_return', float('nan')):.3f}, {stats['charts/iteration_seconds']:.1f} s")
         return self._finish(before, calls_before)
 
     def _iteration(self, iteration: int) -> dict[str, float]:
