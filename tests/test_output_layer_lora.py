@@ -120,26 +120,9 @@ def test_checkpoints_hold_lora_weights_only_and_load_back(head_run):
 
 
 def test_the_exported_merged_model_keeps_the_input_embedding(head_run, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    from marft.trained.evaluate import checkpoint_config, load_team
-    from marft.trained.export import export
-
-    out = export(head_run, tmp_path / "team", merge=True)
-    team_file = json.loads((out / "team.json").read_text())
-    config, checkpoint = checkpoint_config(head_run)
-    team, _, _ = load_team(config, checkpoint)
-    base = AutoModelForCausalLM.from_pretrained(team_file["base_model_path"])
-    ids = torch.tensor([[5, 17, 33, 41, 2, 9, 12]])
-    for role in team_file["roles"]:
-        team.set_active(role["adapter"])
-        merged = AutoModelForCausalLM.from_pretrained(str(out / role["merged_model"]))
-        with torch.no_grad():
-            expected = team.model(input_ids=ids).logits
-            assert (expected - merged(input_ids=ids).logits).abs().max() <= 1e-4
+    for _, base, merged in merged_exports(head_run, tmp_path):
         assert torch.equal(merged.get_input_embeddings().weight, base.get_input_embeddings().weight)
         assert not torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
-    team.set_active(None)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -200,21 +183,28 @@ def test_the_warm_start_names_format_tokens_it_could_not_make_likely(tmp_path, c
 def test_an_export_of_an_adapted_input_embedding_keeps_the_output_layer(random_model_dir, tmp_path):
     """A tied model with its input embedding adapted (``all-linear,embed_tokens``): the merge must not fold the
     embedding's update into the output layer that shares its weight; peft's tied-layer warning is kept for it."""
-    from transformers import AutoModelForCausalLM
-
-    from marft.trained.evaluate import checkpoint_config, load_team
-    from marft.trained.export import export
-
     run = tmp_path / "run"
     assert train_main(["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
                        "--context_window", "128", "--n_rollout_threads", "4", "--episode_length", "1", "--num_env_steps", "4",
                        "--eval_episodes", "2", "--n_eval_threads", "2", "--seed", "5", "--lr", "0.05",
                        "--lora_target_modules", "all-linear,embed_tokens", "--output_dir", str(run)]) == 0
+    for team, base, merged in merged_exports(run, tmp_path):
+        assert not team.bank.quiet_tied
+        assert torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+
+
+def merged_exports(run, tmp_path):
+    """Export ``run`` with merged models; yield ``(team, base model, merged model)`` per role, the team routed through
+    that role's adapter, after checking the merged model's logits equal the team's."""
+    from transformers import AutoModelForCausalLM
+
+    from marft.trained.evaluate import checkpoint_config, load_team
+    from marft.trained.export import export
+
     out = export(run, tmp_path / "team", merge=True)
     team_file = json.loads((out / "team.json").read_text())
     config, checkpoint = checkpoint_config(run)
     team, _, _ = load_team(config, checkpoint)
-    assert not team.bank.quiet_tied
     base = AutoModelForCausalLM.from_pretrained(team_file["base_model_path"])
     ids = torch.tensor([[5, 17, 33, 41, 2, 9, 12]])
     for role in team_file["roles"]:
@@ -222,5 +212,5 @@ def test_an_export_of_an_adapted_input_embedding_keeps_the_output_layer(random_m
         merged = AutoModelForCausalLM.from_pretrained(str(out / role["merged_model"]))
         with torch.no_grad():
             assert (team.model(input_ids=ids).logits - merged(input_ids=ids).logits).abs().max() <= 1e-4
-        assert torch.equal(merged.get_output_embeddings().weight, base.get_output_embeddings().weight)
+        yield team, base, merged
     team.set_active(None)
