@@ -258,9 +258,9 @@ def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, r
 
     Raises:
         ValueError: not a self-play game, no or an unknown ``role``, or a checkpoint of another team.
-        FileNotFoundError: no such checkpoint."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
+        FileNotFoundError: no such checkpoint.
+        CheckpointError: its adapter for ``role`` is missing, unreadable or of another shape."""
+    from marft.training.checkpoint import read_adapter, set_adapter_weights
 
     if not hasattr(make_env().unwrapped, "play_randomly"):
         raise ValueError("--versus_checkpoint is for self-play games (textarena:<id> with a two-agent profile)")
@@ -275,13 +275,7 @@ def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, r
     if differs:
         raise ValueError(f"--versus_checkpoint {found} is of another team ({', '.join(f'--{f}' for f in differs)} differ)")
     adapter = team.agent_adapters[roles.index(role)]
-    weights = found / adapter / "adapter_model.safetensors"
-    if not weights.is_file():
-        raise ValueError(f"--versus_checkpoint {found} has no adapter {adapter!r} for {role}")
-    result = set_peft_model_state_dict(team.model, load_file(weights, device=str(team.device)), adapter_name=adapter)
-    if getattr(result, "unexpected_keys", None):
-        raise ValueError(f"{weights} holds weights this team does not have: {result.unexpected_keys[:3]}")
-    team.bank.mark_changed(adapter)
+    set_adapter_weights(team, adapter, read_adapter(found, adapter, team.device), found)
     return next(r for r in roles if r != role)
 
 

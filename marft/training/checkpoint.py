@@ -192,12 +192,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
     """
     path = Path(path)
     _, state = read_checkpoint_meta(path)
-    adapters = {}
-    for adapter in team.adapters:
-        weights = path / adapter / "adapter_model.safetensors"
-        if not weights.is_file():
-            raise CheckpointError(f"checkpoint {path} has no adapter {adapter!r} ({weights} missing): was it saved by a different team?")
-        adapters[adapter] = _read(weights, lambda f: load_file(f, device=str(team.device)))
+    adapters = {adapter: read_adapter(path, adapter, team.device) for adapter in team.adapters}
     references = {}  # the frozen KL references (--kl_reference initial) this checkpoint has; the others start as their adapter
     for _adapter, reference in team.reference_adapters.items():
         weights = path / reference / "adapter_model.safetensors"
@@ -208,10 +203,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
     value_head = _read(path / "value_head.safetensors", lambda f: load_file(f, device=str(team.device))) if team.has_critic else None
     optimizers = _read(path / "optimizers.pt", lambda f: torch.load(f, map_location=team.device, weights_only=True))
     for adapter, weights in adapters.items():
-        result = set_peft_model_state_dict(team.model, weights, adapter_name=adapter)
-        team.bank.mark_changed(adapter)
-        if getattr(result, "unexpected_keys", None):
-            raise CheckpointError(f"{path / adapter / 'adapter_model.safetensors'} holds weights this model does not have: {result.unexpected_keys[:3]}")
+        set_adapter_weights(team, adapter, weights, path)
     for adapter, reference in team.reference_adapters.items():
         if reference in references:
             set_peft_model_state_dict(team.model, references[reference], adapter_name=reference)
@@ -382,6 +374,28 @@ def _sha256(file: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def read_adapter(path: Path, adapter: str, device) -> dict[str, torch.Tensor]:
+    """The weights of ``adapter`` in checkpoint ``path`` (its ``<adapter>/adapter_model.safetensors``).
+
+    Raises:
+        CheckpointError: the checkpoint has no such adapter, or its file cannot be read."""
+    weights = path / adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"checkpoint {path} has no adapter {adapter!r} ({weights} missing): was it saved by a different team?")
+    return _read(weights, lambda f: load_file(f, device=str(device)))
+
+
+def set_adapter_weights(team: AgentTeam, adapter: str, weights: dict[str, torch.Tensor], path: Path) -> None:
+    """``adapter`` takes ``weights`` (read from checkpoint ``path`` by :func:`read_adapter`).
+
+    Raises:
+        CheckpointError: the weights name parameters this team's adapter does not have."""
+    result = set_peft_model_state_dict(team.model, weights, adapter_name=adapter)
+    team.bank.mark_changed(adapter)
+    if getattr(result, "unexpected_keys", None):
+        raise CheckpointError(f"{path / adapter / 'adapter_model.safetensors'} holds weights this model does not have: {result.unexpected_keys[:3]}")
 
 
 def _read_json(file: Path) -> dict:
