@@ -171,10 +171,11 @@ def collate_turns(batch: Sequence[TurnExample], pad_id: int) -> tuple[torch.Tens
     return ids, mask, labels
 
 
-def reply_loss(lm, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def reply_loss(lm, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
     """Mean next-token cross-entropy over the reply tokens (``labels != -100``) of a causal LM (with
     whatever LoRA adapter is active in it), the LM head run only where a reply token is predicted: most
-    positions are prompt, and the head is a large share of a small model.
+    positions are prompt, and the head is a large share of a small model. ``reduction="none"``: one value per
+    reply token ``(N,)``, in the rows' order.
 
     ``ids``, ``mask``, ``labels``: ``(B, T)``, as :func:`collate_turns` makes them.
     """
@@ -182,14 +183,15 @@ def reply_loss(lm, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) 
     targets = labels[:, 1:]  # (B, T-1): the token each position predicts
     scored = targets != -100  # (B, T-1)
     logits = lm.get_output_embeddings()(hidden[:, :-1][scored])  # (N, V), N reply tokens in the batch
-    return torch.nn.functional.cross_entropy(logits.float(), targets[scored])
+    return torch.nn.functional.cross_entropy(logits.float(), targets[scored], reduction=reduction)
 
 
-def reply_nll(team, adapter: str, batch: Sequence[TurnExample]) -> torch.Tensor:
-    """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1)."""
+def reply_nll(team, adapter: str, batch: Sequence[TurnExample], reduction: str = "mean") -> torch.Tensor:
+    """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1); ``reduction="none"``:
+    per reply token, in the order of ``[t for e in batch for t in e.reply_ids]``."""
     ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
     team.bank.route(adapter)
-    return reply_loss(team.model.get_base_model(), ids, mask, labels)
+    return reply_loss(team.model.get_base_model(), ids, mask, labels, reduction)
 
 
 def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: int = 0) -> list[float]:
@@ -239,29 +241,23 @@ def unlearned_reply_tokens(team, examples: Sequence[TurnExample], nll_above: flo
     A token the base model never learned to output can be out of reach of every adapter on the decoder (the frozen
     output layer caps it): the embedded models' ``[`` and ``]`` stay near 4.8 nats. Adapting the output layer
     (``--lora_target_modules all-linear,lm_head``) lifts the cap."""
-    by_token: dict[int, list[float]] = {}
-    replies_with: dict[int, int] = {}
     sample = list(examples[:max_examples])
-    for adapter in team.policy_adapters:
-        mine = [e for e in sample if team.agent_adapters[e.agent] == adapter]
-        for start in range(0, len(mine), 32):
-            batch = mine[start:start + 32]
-            ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
-            team.bank.route(adapter)
-            with torch.no_grad():
-                hidden = team.model.get_base_model().get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, C)
-                targets = labels[:, 1:]  # (B, T-1)
-                scored = targets != -100
-                logits = team.model.get_output_embeddings()(hidden[:, :-1][scored]).float()  # (N, V)
-                nll = torch.nn.functional.cross_entropy(logits, targets[scored], reduction="none")  # (N,)
-            for token, value in zip(targets[scored].tolist(), nll.tolist()):
-                by_token.setdefault(token, []).append(value)
-            for e in batch:
-                for token in set(e.reply_ids):
-                    replies_with[token] = replies_with.get(token, 0) + 1
+    vocab = team.model.get_output_embeddings().weight.shape[0]
+    nll_sum, tokens_seen, replies_with = torch.zeros(vocab), torch.zeros(vocab), torch.zeros(vocab)  # per token id
+    with torch.no_grad():
+        for adapter in team.policy_adapters:
+            mine = [e for e in sample if team.agent_adapters[e.agent] == adapter]
+            for start in range(0, len(mine), 32):
+                batch = mine[start:start + 32]
+                tokens = torch.tensor([t for e in batch for t in e.reply_ids])  # (N,) the order of reply_nll's values
+                nll_sum.index_add_(0, tokens, reply_nll(team, adapter, batch, reduction="none").float().cpu())
+                tokens_seen.index_add_(0, tokens, torch.ones(len(tokens)))
+                distinct = torch.tensor([t for e in batch for t in set(e.reply_ids)])  # each token once per reply
+                replies_with.index_add_(0, distinct, torch.ones(len(distinct)))
     team.set_active(None)
-    means = {token: sum(v) / len(v) for token, v in by_token.items() if replies_with.get(token, 0) >= min_share * len(sample)}
-    unlikely = sorted(((m, token) for token, m in means.items() if m > nll_above), reverse=True)[:most]
+    mean = nll_sum / tokens_seen.clamp(min=1)
+    flagged = ((replies_with >= min_share * len(sample)) & (mean > nll_above)).nonzero().flatten()
+    unlikely = sorted(((float(mean[t]), int(t)) for t in flagged), reverse=True)[:most]
     return {team.tokenizer.convert_ids_to_tokens(token): round(m, 2) for m, token in unlikely}
 
 
