@@ -221,6 +221,11 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
     return path
 
 
+def eval_transcripts(args) -> list[Path]:
+    """The run's evaluation transcripts (``transcripts/eval_<iteration>.jsonl``), in iteration order."""
+    return sorted((Path(args.output_dir) / "transcripts").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+
+
 def route_calls(runner, args) -> dict:
     """``right_calls_before`` / ``right_calls_after``: on ``route``, the share of held-out episodes whose first
     orchestrator reply calls the keeper of the asked shelf (0.5 is routing at random), read from the first and the
@@ -236,7 +241,7 @@ def route_calls(runner, args) -> dict:
         right = sum(parse(e["steps"][0][0]["text"]) == keepers[asked_shelf(e["problem"])] for e in episodes)
         return right / len(episodes) if episodes else None
 
-    evaluations = sorted((Path(args.output_dir) / "transcripts").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    evaluations = eval_transcripts(args)
     if not evaluations:
         return {}
     return {"right_calls_before": right_share(evaluations[0]), "right_calls_after": right_share(evaluations[-1])}
@@ -248,7 +253,7 @@ def game_results(runner, args) -> dict:
     transcripts (``transcripts/eval_<iteration>.jsonl``)."""
     from marft.trained.evaluate import game_figures
 
-    evaluations = sorted((Path(args.output_dir) / "transcripts").glob("eval_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    evaluations = eval_transcripts(args)
     if not evaluations:
         return {}
     figures = [game_figures([json.loads(line) for line in path.read_text().splitlines() if line.strip()], runner.roles)
