@@ -195,9 +195,29 @@ def test_budgets_too_small_for_the_template_are_refused(chat_tokenizer):
     fixed = max(len(h) + len(s) for h, s in zip(prompts.header_ids, prompts.suffix_ids))
     with pytest.raises(ValueError, match="with the chat template around its user message is"):
         PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=fixed, chat_template="auto")
-    small = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=fixed + 2, chat_template="auto")
-    with pytest.raises(ValueError, match="fill the whole prompt budget"):
-        small.encode_rows(1, HISTORIES[:1], EARLIER[:1], ["The key is 7. " * 4])
+
+
+@pytest.mark.parametrize("chat_template", ["auto", "none"])
+def test_a_private_observation_longer_than_the_budget_loses_its_oldest_text(chat_tokenizer, chat_template, caplog):
+    """A private observation that would crowd out the body (a self-play seat's view grown by retried moves) is cut
+    from the left, like the history: the prompt fits, ends with the body's tail (the cue), keeps the observation's
+    latest text, and the cut is logged once and counted (it raised a ValueError mid-training before)."""
+    prompts = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=96, chat_template=chat_template)
+    room = 96 - len(prompts.header_ids[1]) - len(prompts.suffix_ids[1])
+    view = "".join(f"Board {i}: the old moves. " for i in range(40)) + "LATEST BOARD 7"
+    with caplog.at_level("WARNING", logger="marft.agents.prompts"):
+        rows = prompts.encode_rows(1, HISTORIES[:1] * 2, EARLIER[:1] * 2, [view, view])
+    whole = prompts.encode_rows(1, HISTORIES[:1], EARLIER[:1], [""])[0]  # header + body + suffix
+    kept_tail = min(len(whole) - len(prompts.header_ids[1]), room // 4 + len(prompts.suffix_ids[1]))  # the body's share and the suffix
+    for row in rows:
+        assert len(row) == 96
+        text = chat_tokenizer.decode(row)
+        assert "LATEST BOARD 7" in text and "Board 0:" not in text
+        assert row[-kept_tail:] == whole[-kept_tail:]
+    assert prompts.cut_private_observations == 2
+    assert sum("oldest text is cut" in r.message for r in caplog.records) == 1
+    short = prompts.encode_rows(1, HISTORIES[:1], EARLIER[:1], ["The key is 7."])[0]  # one that fits stays whole
+    assert "The key is 7." in chat_tokenizer.decode(short) and prompts.cut_private_observations == 2
 
 
 def test_team_prompts_start_with_the_chat_header(chat_tokenizer, one_thread):

@@ -2,8 +2,11 @@
 warm start (``marft.sft``) and the embedded model's build (``marft.models.tiny``) all share.
 
 Every prompt of agent ``a`` is ``[role header a][private observation][shared history + earlier
-replies + cue]`` (``marft.prompting``); the header and the private observation are kept whole, the
-history is cut from the left to fit the prompt budget.
+replies + cue]`` (``marft.prompting``); the header is kept whole, the history is cut from the left to fit
+the prompt budget. The private observation is kept whole too, unless it would leave the body less than a
+quarter of the room (or the whole body, if shorter): then its oldest text goes, as the history's does
+(e.g. a self-play game seat's view grown by retried moves: its latest board stays), and a warning says so
+once per encoder.
 
 With a chat template (``--chat_template auto`` and a tokenizer that has one) the same parts are one chat:
 ``[template up to the user content: system turn = role prompt][private observation][shared history +
@@ -15,12 +18,15 @@ the role prompt at the head of the user message, inside the header all the same.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
 from marft.choices import CHAT_TEMPLATE_MODES
 from marft.prompting import build_prompt, format_conversation, format_header, format_private, handover_text
+
+logger = logging.getLogger(__name__)
 
 USER_PLACEHOLDER = "MARFT-USER-CONTENT-1f7c"
 """Rendered as the user message once per agent to find where its prompts' own text goes in the template."""
@@ -59,6 +65,8 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.profile = list(profile)
         self.max_prompt_len = max_prompt_len
+        self.cut_private_observations = 0
+        """Prompts whose private observation was cut from the left to leave the body its share of the budget."""
         self.uses_chat_template = chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
         """Whether prompts are rendered with the tokenizer's chat template (else the plain transcript)."""
         if self.uses_chat_template:
@@ -135,11 +143,18 @@ class PromptEncoder:
         private_ids = [[] for _ in bodies]
         if private is not None and any(private):
             private_ids = self.tokenizer([format_private(text) for text in private], add_special_tokens=False).input_ids
+        room = self.max_prompt_len - len(header) - len(suffix)  # > 0, checked in __init__
         rows = []
         for kept, ids in zip(private_ids, self.tokenizer(bodies, add_special_tokens=False).input_ids):
-            budget = self.max_prompt_len - len(header) - len(kept) - len(suffix)
-            if budget <= 0:
-                raise ValueError(f"the role header and private observation of {spec.role!r} fill the whole prompt budget; raise --context_window")
+            body_share = min(len(ids), max(1, room // 4))
+            if len(kept) + body_share > room:  # the private observation's oldest text goes, the body keeps its share
+                kept = kept[len(kept) - (room - body_share):]
+                if not self.cut_private_observations:
+                    logger.warning("the private observation of %r is longer than the prompt budget leaves it (%d of %d tokens): "
+                                   "its oldest text is cut (once per run: raise --context_window to keep it whole)",
+                                   spec.role, room - body_share, self.max_prompt_len)
+                self.cut_private_observations += 1
+            budget = room - len(kept)
             rows.append(header + kept + ids[-budget:] + suffix)
         return rows
 
