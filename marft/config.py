@@ -159,7 +159,7 @@ class AlgoConfig:
     gradient_cp_steps: int = 1
     """Gradient accumulation: each agent's minibatch is processed in this many chunks to save memory (the critic's, which holds every agent's turns, in n_agents times as many)."""
     max_chunk_tokens: Optional[int] = None
-    """Token budget of one gradient-accumulation chunk: each minibatch chunk (length-sorted rows) is cut further until its padded prompt+reply tokens (rows x longest prompt + rows x longest reply) fit, so peak update memory follows the budget, not the prompt lengths of later agents (a single longer row is its own chunk); each chunk then also runs its own role headers (none held over the minibatch; a header forward and backward per chunk, a little more compute). None: chunks of equal rows, each role header run once per minibatch."""
+    """Token budget of one gradient-accumulation chunk: each minibatch chunk (length-sorted rows) is cut further until the positions its forward runs fit: rows x (longest prompt after the shared role header + longest reply), plus each role header once (headers x longest header; without shared headers, e.g. under --gradient_checkpointing, rows x (longest prompt + longest reply)). Peak update memory then follows the budget, not the prompt lengths of later agents nor how long an agent's role header is (a single longer row is its own chunk); each chunk also runs its own role headers (none held over the minibatch; a header forward and backward per chunk, a little more compute). None: chunks of equal rows, each role header run once per minibatch."""
     clip_param: float = 0.2
     """PPO ratio clip range: the ratio is kept within [1 - clip_param, 1 + clip_param_high]."""
     clip_param_high: Optional[float] = None

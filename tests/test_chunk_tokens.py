@@ -1,5 +1,6 @@
-"""``--max_chunk_tokens`` (issue 30, memory): a minibatch's gradient-accumulation chunks are cut by a padded-token
-budget, so a chunk of later agents' longer prompts holds no more tokens than the budget; the gradient is the same."""
+"""``--max_chunk_tokens`` (issue 30, memory): a minibatch's gradient-accumulation chunks are cut by a budget of the
+positions their forward runs, so a chunk of later agents' longer prompts holds no more than the budget; the gradient is
+the same."""
 
 import pytest
 import torch
@@ -20,6 +21,31 @@ def padded_tokens(samples: TurnBatch, chunk: torch.Tensor) -> int:
                    response_mask=samples.response_mask).rows(chunk).trimmed("cpu")
     width = mb.prompt_ids.shape[1] + (mb.response_ids.shape[1] if mb.response_ids is not None else 0)
     return len(chunk) * width
+
+
+class ForwardPositions:
+    """Spies on a team's forwards with gradients: per rows' forward (one per chunk), the positions it ran (rows x
+    columns after the shared headers) plus those of the header forward before it (headers x longest header)."""
+
+    def __init__(self, team, monkeypatch):
+        self.chunks, self.headers = [], 0
+        headers = team.headers
+        forward_headers, decoder_states = headers.forward_headers, headers.decoder_states
+
+        def spy_headers(header_ids, header_mask):
+            if torch.is_grad_enabled():
+                self.headers += header_ids.numel()
+            return forward_headers(header_ids, header_mask)
+
+        def spy_states(cache, ids, mask, tail):
+            if torch.is_grad_enabled():
+                cached = 0 if cache is None else cache.get_seq_length()
+                self.chunks.append(ids[:, cached:].numel() + self.headers)
+                self.headers = 0
+            return decoder_states(cache, ids, mask, tail)
+
+        monkeypatch.setattr(headers, "forward_headers", spy_headers)
+        monkeypatch.setattr(headers, "decoder_states", spy_states)
 
 
 def test_split_keeps_order_and_fits_the_budget():
@@ -43,21 +69,40 @@ def test_split_keeps_order_and_fits_the_budget():
 
 def test_split_counts_the_longest_header_before_the_longest_rest():
     """Rows of agents whose role headers differ run behind shared headers as [longest header][longest rest]: two rows
-    of 8 prompt tokens, one behind a 6-token header (rest 2), one behind a 2-token header (rest 6), take 2 x (6 + 6)
-    tokens together, not 2 x 8 (the critic's chunks mix agents)."""
+    of 8 prompt tokens, one behind a 6-token header (rest 2), one behind a 2-token header (rest 6), run 2 x 6 positions
+    behind two header rows of 6 (the critic's chunks mix agents), not 2 x 8."""
     P = 10
     prompt_mask = (torch.arange(P).flip(0) < torch.tensor([8, 8])[:, None]).long()
-    samples = TurnBatch(prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask)
+    samples = TurnBatch(agent=torch.tensor([0, 1]), prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask)
     chunk, headers = torch.tensor([0, 1]), torch.tensor([6, 2])
     assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20)] == [[0, 1]]
     assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20, header_lengths=headers)] == [[0], [1]]
     assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=24, header_lengths=headers)] == [[0, 1]]
 
 
+def test_split_counts_a_shared_header_once():
+    """A header runs once for all its rows: rows of one agent behind a 6-token header, each with a 2-token rest and a
+    1-token reply, take 6 + rows x 3 positions, so a budget of 20 holds 4 of them (not 2 x 9 = 18, as if every row ran
+    the header), and an agent with a long header gets as many positions per chunk as one whose prompts are mostly
+    conversation (the peak does not depend on which agent's chunk runs)."""
+    P, L, n = 10, 2, 6
+    prompt_mask = (torch.arange(P).flip(0) < 8).long().expand(n, P)  # 8 prompt tokens: header 6 + rest 2
+    response_mask = (torch.arange(L) < 1).long().expand(n, L)
+    samples = TurnBatch(agent=torch.zeros(n, dtype=torch.long), prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask,
+                        response_ids=response_mask * 7, response_mask=response_mask)
+    chunk, headers = torch.arange(n), torch.full((n,), 6)
+    parts = APPOTrainer._token_budget_split(samples, chunk, budget=20, header_lengths=headers)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5]]  # 6 + 4 x 3 = 18 <= 20; 6 + 5 x 3 = 21 > 20
+    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20)] == [[0, 1], [2, 3], [4, 5]]  # no sharing: 9 a row
+    only_headers = samples.replace(prompt_mask=(torch.arange(P).flip(0) < 6).long().expand(n, P))  # nothing after the header
+    assert [p.tolist() for p in APPOTrainer._token_budget_split(only_headers, chunk, budget=20, header_lengths=headers)] == [[0, 1], [2, 3], [4, 5]]
+
+
 @pytest.mark.parametrize("algorithm", sorted(TRAINERS))
-def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, algorithm):
+def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, algorithm, monkeypatch):
     """The policy's and the critic's first-step gradients are the same (allclose) with no budget (one chunk) and
-    with a budget that cuts each minibatch into several chunks, every one within the budget."""
+    with a budget that cuts each minibatch into several chunks, every one within the budget: the positions its
+    forwards run (rows behind the shared headers, and the headers once), as measured on the forwards."""
     torch.manual_seed(0)
     team = make_team(random_model_dir)
     perturb_adapters(team, std=0.1)
@@ -88,6 +133,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
             return out
 
         trainer._minibatches = spy
+        forwards = ForwardPositions(team, monkeypatch) if budget is not None else None
         results[budget] = [one_step_gradients(trainer, trainer.update_policy, "reasoner", policy_samples)]
         if trainer.uses_critic:  # GRPO has none
             results[budget].append(one_step_gradients(trainer, trainer.update_critic, critic_samples))
@@ -97,7 +143,9 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
     for call, uncut in zip(seen["small"], seen[None]):
         assert len(call) > len(uncut)  # the budget cut the policy's and the critic's minibatches further
         assert sorted(torch.cat([c for _, c in call]).tolist()) == list(range(len(call[0][0].prompt_ids)))  # every row once
-        assert all(padded_tokens(s, c) <= budget_value for s, c in call if len(c) > 1)
+    single_rows = sum(len(c) == 1 for call in seen["small"] for _, c in call)
+    assert len(forwards.chunks) == sum(len(call) for call in seen["small"])  # one rows' forward per chunk
+    assert sum(n > budget_value for n in forwards.chunks) <= single_rows  # only a row alone may exceed the budget
     for ones, cut in zip(results[None], results["small"]):
         assert len(ones) == len(cut) > 0 and any(g.abs().sum() > 0 for g in ones)
         for a, b in zip(ones, cut):

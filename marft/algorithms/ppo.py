@@ -348,22 +348,36 @@ class PPOTrainer:
     def _token_budget_split(
         samples: TurnBatch, chunk: torch.Tensor, budget: int, header_lengths: torch.Tensor | None = None
     ) -> list[torch.Tensor]:
-        """Cut ``chunk`` (row indices, in order) into consecutive parts whose padded tokens stay within ``budget``;
-        a row longer than the budget on its own is a part by itself. A part's forward is ``rows x (longest prompt +
-        longest reply)`` as :meth:`TurnBatch.trimmed` leaves it, or, with ``header_lengths (n,)`` (rows behind shared role
-        headers of different lengths), ``rows x (longest header + longest prompt after its header + longest
-        reply)``. The parts' losses keep their weights (each part's units over the minibatch's), so the
-        minibatch's gradient is the same."""
+        """Cut ``chunk`` (row indices, in order) into consecutive parts whose forward positions stay within
+        ``budget``; a row longer than the budget on its own is a part by itself. A part's forward runs
+        ``rows x (longest prompt + longest reply)`` positions as :meth:`TurnBatch.trimmed` leaves it, or, with
+        ``header_lengths (n,)`` (rows behind shared role headers, ``samples.agent`` set), ``rows x (longest rest
+        after its header + longest reply)`` for the rows plus ``agents x longest header`` for the header forward: a
+        header runs once for all its rows, so its columns are not counted in every row (they would make the budget
+        hold fewer real positions for an agent with a long header than for one whose conversation is long, and the
+        peak depend on which agent's chunk runs). What a row keeps of the header it attends to, its keys and values,
+        is a small part of a position and not counted. The parts' losses keep their weights (each part's units over
+        the minibatch's), so the minibatch's gradient is the same."""
         prompt = samples.prompt_mask[chunk].sum(-1).tolist()  # (n,) real prompt tokens per row
         reply = samples.response_mask[chunk].sum(-1).tolist() if samples.response_mask is not None else [0] * len(prompt)
-        header = header_lengths[chunk].tolist() if header_lengths is not None else [0] * len(prompt)
-        parts, start, widest = [], 0, (0, 0, 0)
+        shared = header_lengths is not None
+        header = header_lengths[chunk].tolist() if shared else [0] * len(prompt)
+        agent = samples.agent[chunk].tolist() if shared else [0] * len(prompt)
+
+        def positions(rows: int, longest: tuple[int, int, int], n_headers: int) -> int:
+            h, rest, r = longest  # longest header, longest rest, longest reply
+            if rest == 0:  # prompts that are only their header run whole rows (nothing would follow a shared header)
+                return rows * (h + r)
+            return rows * (rest + r) + n_headers * h
+
+        parts, start, widest, agents = [], 0, (0, 0, 0), set()
         for i, row in enumerate(zip(header, (p - h for p, h in zip(prompt, header)), reply)):
-            wider = tuple(max(a, b) for a, b in zip(widest, row))  # (longest header, longest rest, longest reply)
-            if i > start and (i - start + 1) * sum(wider) > budget:
+            wider = tuple(max(a, b) for a, b in zip(widest, row))
+            more = agents | {agent[i]}
+            if i > start and positions(i - start + 1, wider, len(more)) > budget:
                 parts.append(chunk[start:i])
-                start, wider = i, row
-            widest = wider
+                start, wider, more = i, row, {agent[i]}
+            widest, agents = wider, more
         parts.append(chunk[start:])
         return parts
 
