@@ -71,8 +71,12 @@ def best_cells(board: Board, me: int) -> list[int]:
 
 def completing(board: Board, player: int) -> list[int]:
     """Empty cells that complete a line of ``player``'s two marks."""
-    return sorted({line[[board[c] for c in line].index(0)] for line in LINES
-                   if [board[c] for c in line].count(player + 1) == 2 and [board[c] for c in line].count(0) == 1})
+    cells = set()
+    for line in LINES:
+        marks = [board[c] for c in line]
+        if marks.count(player + 1) == 2 and 0 in marks:
+            cells.add(line[marks.index(0)])
+    return sorted(cells)
 
 
 SIMPLE_POLICIES = {
@@ -111,19 +115,16 @@ def demonstrations(n: int, seed: int = 0) -> list[dict]:
     both seats), each prompted as training prompts that move."""
     from marft.envs.textarena_env import TextArenaEnv
 
-    env, rng, rows = TextArenaEnv("TicTacToe-v0"), np.random.default_rng(seed), []
+    env, rng = TextArenaEnv("TicTacToe-v0"), np.random.default_rng(seed)
     env.reset(seed=seed)
-    while len(rows) < n:
-        env.reset(options={"task_index": env.choose_task(None)})
-        while not env.episode.done and len(rows) < n:
-            move = f"[{rng.choice(best_cells(board_of(env.episode.moves), env.episode.seat))}]"
-            if move not in env.episode.legal:
-                raise AssertionError(f"the best player's {move} is not among the game's legal moves {env.episode.legal}")
-            rows.append({"problem": env.episode.history.removeprefix("Problem: ").rstrip("\n"),
-                         "turns": [{"role": env.roles[0], "text": move}]})
-            env.take_turn(0, move)
-            env.step(env.turn_actions())
-    return rows
+
+    def best_move(state) -> str:
+        move = f"[{rng.choice(best_cells(board_of(state.moves), state.seat))}]"
+        if move not in state.legal:
+            raise AssertionError(f"the best player's {move} is not among the game's legal moves {state.legal}")
+        return move
+
+    return env.demonstrations(n, choose=best_move)
 
 
 def main(argv=None) -> dict:

@@ -394,9 +394,10 @@ class TextArenaEnv(MultiAgentTextEnv):
             info["reward_by_role"] = dict(zip(self.roles, rewards))
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
-    def demonstrations(self, n: int) -> list[dict]:
+    def demonstrations(self, n: int, choose=None) -> list[dict]:
         """``n`` one-move transcripts of random legal play (both seats), in the game's own move format, each prompted
-        exactly as training prompts that move (played through this env): a warm start towards legal play."""
+        exactly as training prompts that move (played through this env): a warm start towards legal play.
+        ``choose(state) -> move``: another player's moves instead (e.g. ``scripts/tictactoe_expert.py``'s best player)."""
         transcripts = []
         while len(transcripts) < n:
             index = self.choose_task(None)
@@ -407,7 +408,7 @@ class TextArenaEnv(MultiAgentTextEnv):
                                  "own (--sft_data FILE.jsonl)")
             while not self.episode.done and self.episode.legal and len(transcripts) < n:
                 mover = self.turns.due[0]
-                move = self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]
+                move = choose(self.episode) if choose else self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]
                 if self.self_play:  # the mover's view is its private observation; the history names the game
                     row = {"problem": self.game_id, "private": {self.roles[mover]: self.episode.views[mover]}}
                 else:  # the view is the history (format_problem(view))
