@@ -120,6 +120,8 @@ class EnvConfig:
     """Who speaks when in a team step: auto (what the profile describes), sequential (profile order), graph (the profile's DAG; a layer speaks in parallel) or orchestrated (the profile's orchestrator calls specialists with <call>Role</call> and ends with <done/>)."""
     max_turns: int = 5
     """Orchestrated workflows: the most specialist calls per team step (the step is graded after the last)."""
+    invalid_move_penalty: float = 0.0
+    """TextArena games: reward charged to an agent, at that move's own step, for each invalid move the game forgives (TextArena lets the player try again once per move, so under its rule, 0, only a second invalid try in a row costs: the game ends, lost). Environments that take no ``invalid_move_penalty`` argument refuse a non-zero value."""
 
     def __post_init__(self):
         check_fields(self)

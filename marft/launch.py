@@ -6,6 +6,7 @@ count costs a second, not a model load.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import random
@@ -65,6 +66,11 @@ def build_env_factories(config: TrainConfig, profile, eval_split: str = "test"):
         return make_env
 
     env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
+    if ec.invalid_move_penalty:
+        if "invalid_move_penalty" not in inspect.signature(env_class).parameters:
+            raise ValueError(f"--invalid_move_penalty is for environments that take it (TextArena games, textarena:<game id>); "
+                             f"--env_name {ec.env_name} does not")
+        kwargs["invalid_move_penalty"] = ec.invalid_move_penalty
     train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
     eval_source = ec.eval_dataset_path or ec.dataset_path
     eval_data = {} if eval_source is None else {"dataset_path": eval_source}

@@ -76,7 +76,7 @@ RULES: dict[str, Range] = {
     "max_logits_mib": NON_NEGATIVE,
     "vllm_gpu_memory_utilization": Range(0, 1, low_open=True), "vllm_cpu_kv_cache_gib": AT_LEAST_1,
     # env
-    "horizon": AT_LEAST_1, "max_turns": AT_LEAST_1,
+    "horizon": AT_LEAST_1, "max_turns": AT_LEAST_1, "invalid_move_penalty": NON_NEGATIVE,
     # algo
     "group_size": AT_LEAST_1, "credit_discount": Range(0, 1, low_open=True), "kl_coef": NON_NEGATIVE, "lr": POSITIVE,
     "critic_lr": POSITIVE, "ppo_epoch": AT_LEAST_1, "num_mini_batch": AT_LEAST_1, "gradient_cp_steps": AT_LEAST_1, "max_chunk_tokens": AT_LEAST_1,

@@ -84,6 +84,25 @@ def test_an_invalid_self_play_move_is_charged_to_its_agent():
     assert info["invalid_move"] and info["invalid_by"] == "Player B" and rewards == [1.0, -1.0]
 
 
+def test_in_self_play_the_penalty_is_charged_to_the_agent_whose_invalid_move_was_forgiven():
+    env = make(TTT, split="test", profile="game_seats", invalid_move_penalty=0.5)
+    env.reset(options={"task_index": 0})
+    steps = []  # (Player B tried a taken cell, rewards) of each step before the game's end
+    while True:
+        (agent,) = env.speakers()
+        legal = legal_moves(env.private_observations()[agent])
+        taken = [f"[{c}]" for c in range(9) if f"[{c}]" not in legal]
+        cheat = agent == 1 and bool(taken) and not env.episode.retries[1]
+        env.take_turn(agent, taken[0] if cheat else legal[-1])  # Player B tries a taken cell once (forgiven)
+        _, rewards, terminated, _, _ = env.step(env.turn_actions())
+        if terminated:
+            break
+        steps.append((cheat, rewards.tolist()))
+    assert any(cheat for cheat, _ in steps)
+    for cheat, rewards in steps:  # Player B's forgiven try is charged to Player B alone; every other step pays 0
+        assert rewards == ([0.0, -0.5] if cheat else [0.0, 0.0])
+
+
 def test_self_play_demonstrations_carry_each_movers_own_view():
     env = make(TTT, split="train", profile="game_seats")
     env.reset(seed=0)
@@ -241,11 +260,12 @@ def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_m
     assert player_run(random_model_dir, run) == 0
     summary = evaluate(run, episodes=8, seed=0, output_dir=tmp_path / "eval")
     games = summary["games"]
-    assert set(games) == {"role", "seat_0", "seat_1", "invalid_move_rate"} and games["role"] == "Player"
+    assert set(games) == {"role", "seat_0", "seat_1", "invalid_move_rate", "forgiven_invalid_moves_per_game"} and games["role"] == "Player"
     for seat in ("seat_0", "seat_1"):
         assert games[seat]["games"] == 4 and games[seat]["win"] + games[seat]["draw"] + games[seat]["loss"] == pytest.approx(1)
     transcripts = [json.loads(line) for line in (tmp_path / "eval" / "transcripts.jsonl").read_text().splitlines()]
     assert games["invalid_move_rate"] == pytest.approx(sum(t["invalid_move"] for t in transcripts) / 8)
+    assert games["forgiven_invalid_moves_per_game"] == pytest.approx(sum(t["invalid_attempts"] for t in transcripts) / 8)
     assert summary["accuracy"] == pytest.approx(sum(t["outcome"] == "win" for t in transcripts) / 8)
 
 
@@ -315,6 +335,55 @@ def test_stalling_with_forgiven_invalid_moves_does_not_pay():
         return [m for m in env.episode.moves if m != "not a move"][0::2]  # seat 1 moves first on task 5
 
     assert opponent(honest) == opponent(stalling), "wasted attempts re-drew the opponent's replies"
+
+
+@pytest.mark.parametrize("penalty", [0.0, 0.25])
+def test_a_forgiven_invalid_move_is_charged_the_penalty_at_its_own_step(penalty):
+    """TextArena forgives the first invalid try of a move: under its rule (penalty 0) that try is free, which a
+    policy learns to exploit. --invalid_move_penalty charges it, at that step, to the mover; the outcome is the game's."""
+    free, charged = (make(TTT, split="test", profile="game_player", invalid_move_penalty=p) for p in (0.0, penalty))
+    for env in (free, charged):
+        env.reset(options={"task_index": 0})
+    taken = None
+    for step in range(20):
+        move = free.episode.legal[0]
+        if step == 1:  # a cell already taken: forgiven, the same player moves again
+            move = taken = f"[{free.episode.moves[0].strip('[]')}]"
+        free_step, charged_step = free.step((move,)), charged.step((move,))
+        reward, charged_reward, info = free_step[1][0], charged_step[1][0], charged_step[4]
+        if step == 1:
+            assert not charged_step[2] and charged.episode.retries == (1,) and reward == 0.0
+            assert charged_reward == -penalty
+        elif charged_step[2]:
+            assert charged_reward == reward == {"win": 1.0, "draw": 0.0, "loss": -1.0}[info["outcome"]]
+            assert info["invalid_attempts"] == 1 and not info["invalid_move"]
+            break
+        else:
+            assert charged_reward == reward == 0.0
+    assert taken and charged.episode.done and charged.episode.moves == free.episode.moves
+
+
+def test_a_second_invalid_try_loses_as_textarena_rules_it_uncharged():
+    env = make(TTT, split="test", profile="game_player", invalid_move_penalty=0.5)
+    env.reset(options={"task_index": 0})
+    rewards = [env.step(("[0]",))[1][0] for _ in range(3)]  # seat 0: the cell, then the same cell twice
+    assert rewards == [0.0, -0.5, -1.0] and env.episode.done  # the forgiven try charged, the second the game's loss
+    with pytest.raises(ValueError, match="invalid_move_penalty"):
+        make(TTT, split="test", profile="game_player", invalid_move_penalty=-1)
+
+
+def test_the_invalid_move_penalty_is_refused_for_an_env_without_it():
+    from marft.config import TrainConfig
+    from marft.envs.profile import load_profile
+    from marft.launch import build_env_factories
+
+    config = TrainConfig()
+    config.env.env_name, config.env.invalid_move_penalty = "relay_sum", 0.5
+    with pytest.raises(ValueError, match="--invalid_move_penalty is for environments that take it"):
+        build_env_factories(config, load_profile(config.model.profile_path))
+    config.env.env_name = TTT
+    make_train_env, _ = build_env_factories(config, load_profile("game_player"))
+    assert make_train_env().unwrapped.invalid_move_penalty == 0.5
 
 
 def test_a_retry_after_a_forgiven_invalid_move_still_sees_the_card_and_the_legal_moves():

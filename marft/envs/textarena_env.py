@@ -203,11 +203,19 @@ class TextArenaEnv(MultiAgentTextEnv):
         horizon: the most team steps (moves of the team) in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
         opponent: ``random`` (uniformly random legal moves): the fixed opponent of a one-agent team.
         n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once with each seating).
+        invalid_move_penalty: charged (as reward ``-invalid_move_penalty``, at that move's own step) to an agent for
+            each invalid move TextArena forgives: the game lets the player try again (once per move), so under
+            TextArena's own rule (0, the default) only a second invalid attempt in a row costs anything (the game
+            ends, lost). A policy trained on that rule learns that a first try at a taken cell is free.
     """
 
     def __init__(self, game_id: str = "TicTacToe-v0", split: str = "train", profile=None, horizon: int = 1,
-                 opponent: str = "random", n_games: int | None = None, n_agents: int | None = None):
+                 opponent: str = "random", n_games: int | None = None, n_agents: int | None = None,
+                 invalid_move_penalty: float = 0.0):
         _textarena()
+        if not (np.isfinite(invalid_move_penalty) and invalid_move_penalty >= 0):
+            raise ValueError(f"invalid_move_penalty must be a finite number >= 0 (a charge), got {invalid_move_penalty!r}")
+        self.invalid_move_penalty = float(invalid_move_penalty)
         if opponent not in OPPONENTS:
             raise ValueError(f"opponent must be one of {', '.join(OPPONENTS)}, got {opponent!r}")
         if split not in ("train", "test"):
@@ -365,17 +373,19 @@ class TextArenaEnv(MultiAgentTextEnv):
         moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],), state.opponent_moves)
         step = state.step + 1
         new = replace(self._state(state, game, state.seat, state.game_seed, moves, made), retries=retries, step=step)
-        outcome = self._outcome(game, new)
+        charged = tuple(self.invalid_move_penalty if a == mover and game.forgiven else 0.0 for a in range(self.n_agents))
+        outcome = self._outcome(game, new, charged)
         return replace(new, terminated=game.done or step >= self.horizon, truncated=False, outcome=outcome)
 
-    def _outcome(self, game: Game, state: GameState) -> StepOutcome:
-        """Every agent's reward (its seat's; 0 until the game ends) and, at the end, agent 0's outcome. A game the
-        horizon cuts short is ``unfinished``: -1 for every agent that wasted moves on forgiven invalid ones (else a
-        loss could be stalled away), 0 for the others."""
+    def _outcome(self, game: Game, state: GameState, charged: tuple[float, ...]) -> StepOutcome:
+        """Every agent's reward (its seat's; 0 until the game ends, less ``charged``: the invalid-move penalty of a
+        forgiven invalid move made this step) and, at the end, agent 0's outcome. A game the horizon cuts short is
+        ``unfinished``: -1 for every agent that wasted moves on forgiven invalid ones (else a loss could be stalled
+        away), 0 for the others."""
         if not game.done and state.step < self.horizon:
-            return StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info={"correct": False, "seat": state.seat})
+            return StepOutcome(rewards=tuple(-c for c in charged), solved=False, info={"correct": False, "seat": state.seat})
         if not game.done:
-            rewards = tuple(-1.0 if r else 0.0 for r in state.retries)
+            rewards = tuple((-1.0 if r else 0.0) - c for r, c in zip(state.retries, charged))
             info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
                     "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
             if self.self_play:

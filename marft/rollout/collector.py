@@ -77,7 +77,7 @@ class RolloutCollector:
         bases = self.envs.bases
         buffer = RolloutBuffer(T, E, N, team.prompts.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
                                slots_per_step=bases[0].workflow.max_turns_per_step)
-        finished_returns, finished_correct, finished_invalid, tokens, invalid_replies = [], [], [], 0, 0
+        finished_returns, finished_correct, finished_invalid, finished_forgiven, tokens, invalid_replies = [], [], [], [], 0, 0
         horizon = self.config.env.horizon
         live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
         start = time.perf_counter()
@@ -113,7 +113,8 @@ class RolloutCollector:
             for e in np.flatnonzero(terminated | truncated):
                 finished_returns.append(self.episode_returns[e])
                 final_info = infos["final_info"]
-                for key, values in (("correct", finished_correct), ("invalid_move", finished_invalid)):  # invalid_move: games
+                for key, values in (("correct", finished_correct), ("invalid_move", finished_invalid),  # invalid_move: games
+                                    ("invalid_attempts", finished_forgiven)):
                     if key in final_info and final_info[f"_{key}"][e]:
                         values.append(float(final_info[key][e]))
                 self.episode_returns[e] = 0.0
@@ -124,7 +125,8 @@ class RolloutCollector:
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
         if finished_returns:
             stats["charts/episode_return"] = float(np.mean(finished_returns))
-        for name, values in (("accuracy", finished_correct), ("invalid_move_rate", finished_invalid)):
+        for name, values in (("accuracy", finished_correct), ("invalid_move_rate", finished_invalid),
+                             ("forgiven_invalid_moves", finished_forgiven)):
             if values:
                 stats[f"charts/{name}"] = float(np.mean(values))
         stats["charts/step_reward"] = float(buffer.agent_rewards.mean())

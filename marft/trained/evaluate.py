@@ -197,7 +197,7 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
 def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str | None = None) -> dict:
     """A game env's figures (``{"games": ...}``, or {} for other envs): per seat of the agent whose games they are
     (``perspective``, default the first role), its win / draw / loss / unfinished rates and mean reward, and the
-    share of games ended by an invalid move."""
+    share of games ended by an invalid move (and the invalid moves the game forgave, per game)."""
     games = [episode for episode in transcripts if "outcome" in episode]
     if not games:
         return {}
@@ -217,6 +217,8 @@ def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str
             figures[f"seat_{seat}"] = {**{o: float(np.mean([outcome(e) == o for e in mine])) for o in ("win", "draw", "loss", "unfinished")},
                                        "reward": float(np.mean([reward(e) for e in mine])), "games": len(mine)}
     figures["invalid_move_rate"] = float(np.mean([bool(e.get("invalid_move")) for e in games]))
+    if all("invalid_attempts" in e for e in games):  # the invalid moves the game forgave (the player tried again)
+        figures["forgiven_invalid_moves_per_game"] = float(np.mean([e["invalid_attempts"] for e in games]))
     return {"games": figures}
 
 
