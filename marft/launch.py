@@ -67,7 +67,12 @@ def build_env_factories(config: TrainConfig, profile, eval_split: str = "test"):
 
     env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
     if ec.invalid_move_penalty:
-        if "invalid_move_penalty" not in inspect.signature(env_class).parameters:
+        try:
+            parameters = inspect.signature(env_class).parameters.values()
+        except (TypeError, ValueError):  # a callable without a signature: let it take the argument or fail itself
+            parameters = ()
+        names = {p.name for p in parameters}
+        if parameters and "invalid_move_penalty" not in names and not any(p.kind is p.VAR_KEYWORD for p in parameters):
             raise ValueError(f"--invalid_move_penalty is for environments that take it (TextArena games, textarena:<game id>); "
                              f"--env_name {ec.env_name} does not")
         kwargs["invalid_move_penalty"] = ec.invalid_move_penalty

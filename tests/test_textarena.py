@@ -94,13 +94,15 @@ def test_in_self_play_the_penalty_is_charged_to_the_agent_whose_invalid_move_was
         taken = [f"[{c}]" for c in range(9) if f"[{c}]" not in legal]
         cheat = agent == 1 and bool(taken) and not env.episode.retries[1]
         env.take_turn(agent, taken[0] if cheat else legal[-1])  # Player B tries a taken cell once (forgiven)
-        _, rewards, terminated, _, _ = env.step(env.turn_actions())
+        _, rewards, terminated, _, info = env.step(env.turn_actions())
         if terminated:
             break
         steps.append((cheat, rewards.tolist()))
     assert any(cheat for cheat, _ in steps)
-    for cheat, rewards in steps:  # Player B's forgiven try is charged to Player B alone; every other step pays 0
-        assert rewards == ([0.0, -0.5] if cheat else [0.0, 0.0])
+    for cheat, paid in steps:  # Player B's forgiven try is charged to Player B alone; every other step pays 0
+        assert paid == ([0.0, -0.5] if cheat else [0.0, 0.0])
+    final = rewards.tolist()  # the game's own rewards; each role's whole game, charges included, for evaluation
+    assert info["reward_by_role"] == {"Player A": final[0], "Player B": final[1] - 0.5}
 
 
 def test_self_play_demonstrations_carry_each_movers_own_view():
@@ -384,6 +386,18 @@ def test_the_invalid_move_penalty_is_refused_for_an_env_without_it():
     config.env.env_name = TTT
     make_train_env, _ = build_env_factories(config, load_profile("game_player"))
     assert make_train_env().unwrapped.invalid_move_penalty == 0.5
+    from marft.envs import _REGISTRY, register
+
+    class KeywordGame(TextArenaEnv):  # a user's env that passes its keyword arguments on is given the flag too
+        def __init__(self, **kwargs):
+            super().__init__("TicTacToe-v0", **kwargs)
+
+    register("keyword_game", KeywordGame)
+    try:
+        config.env.env_name = "keyword_game"
+        assert build_env_factories(config, load_profile("game_player"))[0]().unwrapped.invalid_move_penalty == 0.5
+    finally:
+        _REGISTRY.pop("keyword_game")
 
 
 def test_a_retry_after_a_forgiven_invalid_move_still_sees_the_card_and_the_legal_moves():

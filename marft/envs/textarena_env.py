@@ -369,11 +369,12 @@ class TextArenaEnv(MultiAgentTextEnv):
         game = self._game(state.game_seed, state.moves)
         mover = self.agent_of(game.current_player, state) if self.self_play else 0
         game.move(actions[mover])
-        retries = tuple(r + (a == mover and game.forgiven) for a, r in enumerate(state.retries))
+        forgiven = game.forgiven  # read now: the opponent's moves below run on the same game
+        retries = tuple(r + (a == mover and forgiven) for a, r in enumerate(state.retries))
         moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],), state.opponent_moves)
         step = state.step + 1
         new = replace(self._state(state, game, state.seat, state.game_seed, moves, made), retries=retries, step=step)
-        charged = tuple(self.invalid_move_penalty if a == mover and game.forgiven else 0.0 for a in range(self.n_agents))
+        charged = tuple(self.invalid_move_penalty if a == mover and forgiven else 0.0 for a in range(self.n_agents))
         outcome = self._outcome(game, new, charged)
         return replace(new, terminated=game.done or step >= self.horizon, truncated=False, outcome=outcome)
 
@@ -381,9 +382,11 @@ class TextArenaEnv(MultiAgentTextEnv):
         """Every agent's reward (its seat's; 0 until the game ends, less ``charged``: the invalid-move penalty of a
         forgiven invalid move made this step) and, at the end, agent 0's outcome. A game the horizon cuts short is
         ``unfinished``: -1 for every agent that wasted moves on forgiven invalid ones (else a loss could be stalled
-        away), 0 for the others."""
+        away), 0 for the others. Self-play's ``reward_by_role`` is each agent's whole game: the final reward less
+        every charge it paid (``invalid_move_penalty`` x its forgiven invalid moves)."""
         if not game.done and state.step < self.horizon:
-            return StepOutcome(rewards=tuple(-c for c in charged), solved=False, info={"correct": False, "seat": state.seat})
+            return StepOutcome(rewards=tuple(0.0 - c for c in charged), solved=False, info={"correct": False, "seat": state.seat})
+        paid = [self.invalid_move_penalty * r for r in state.retries]  # (n_agents,) the charges of the whole game
         if not game.done:
             rewards = tuple((-1.0 if r else 0.0) - c for r, c in zip(state.retries, charged))
             info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
@@ -391,7 +394,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             if self.self_play:
                 info["invalid_by"] = ""
                 info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
-                info["reward_by_role"] = dict(zip(self.roles, rewards))
+                info["reward_by_role"] = {role: (-1.0 if r else 0.0) - p for role, r, p in zip(self.roles, state.retries, paid)}
             return StepOutcome(rewards=rewards, solved=False, info=info)
         by_seat, game_info = game.result
         rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
@@ -401,7 +404,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
             info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
-            info["reward_by_role"] = dict(zip(self.roles, rewards))
+            info["reward_by_role"] = {role: r - p for role, r, p in zip(self.roles, rewards, paid)}
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
     def demonstrations(self, n: int, choose=None) -> list[dict]:

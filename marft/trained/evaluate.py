@@ -207,8 +207,8 @@ def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str
     def outcome(e):
         return e["outcome_by_role"][role] if perspective else e["outcome"]
 
-    def reward(e):
-        return e["reward_by_role"][role] if perspective else e["return"]
+    def reward(e):  # self-play: the role's own game (a team return would average both seats' rewards)
+        return e["reward_by_role"][role] if "reward_by_role" in e else e["return"]
 
     figures: dict = {"role": role}
     for seat in (0, 1):
