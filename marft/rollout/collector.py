@@ -22,6 +22,10 @@ from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.rollout.buffer import RolloutBuffer
 from marft.rollout.turns import play_team_step
 
+FINISHED_CHARTS = {"correct": "accuracy", "invalid_move": "invalid_move_rate", "invalid_attempts": "forgiven_invalid_moves"}
+"""Final-step info key of a finished episode -> the chart of its mean over the iteration's finished episodes (game
+envs: ``invalid_move``, a game ended by one; ``invalid_attempts``, the invalid moves the game forgave)."""
+
 
 @dataclass(frozen=True)
 class RolloutNeeds:
@@ -77,7 +81,8 @@ class RolloutCollector:
         bases = self.envs.bases
         buffer = RolloutBuffer(T, E, N, team.prompts.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
                                slots_per_step=bases[0].workflow.max_turns_per_step)
-        finished_returns, finished_correct, finished_invalid, finished_forgiven, tokens, invalid_replies = [], [], [], [], 0, 0
+        finished_returns, tokens, invalid_replies = [], 0, 0
+        finished = {key: [] for key in FINISHED_CHARTS}  # final-info key -> its value in each finished episode
         horizon = self.config.env.horizon
         live = np.ones(E, dtype=bool)  # group rounds: the env's episode is still going
         start = time.perf_counter()
@@ -113,8 +118,7 @@ class RolloutCollector:
             for e in np.flatnonzero(terminated | truncated):
                 finished_returns.append(self.episode_returns[e])
                 final_info = infos["final_info"]
-                for key, values in (("correct", finished_correct), ("invalid_move", finished_invalid),  # invalid_move: games
-                                    ("invalid_attempts", finished_forgiven)):
+                for key, values in finished.items():
                     if key in final_info and final_info[f"_{key}"][e]:
                         values.append(float(final_info[key][e]))
                 self.episode_returns[e] = 0.0
@@ -125,10 +129,7 @@ class RolloutCollector:
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
         if finished_returns:
             stats["charts/episode_return"] = float(np.mean(finished_returns))
-        for name, values in (("accuracy", finished_correct), ("invalid_move_rate", finished_invalid),
-                             ("forgiven_invalid_moves", finished_forgiven)):
-            if values:
-                stats[f"charts/{name}"] = float(np.mean(values))
+        stats.update({f"charts/{name}": float(np.mean(finished[key])) for key, name in FINISHED_CHARTS.items() if finished[key]})
         stats["charts/step_reward"] = float(buffer.agent_rewards.mean())
         stats["charts/truncated_episodes"] = float(buffer.truncated.sum())
         stats["invalid_orchestrator_replies"] = invalid_replies
