@@ -388,13 +388,14 @@ class TextArenaEnv(MultiAgentTextEnv):
             return StepOutcome(rewards=tuple(0.0 - c for c in charged), solved=False, info={"correct": False, "seat": state.seat})
         paid = [self.invalid_move_penalty * r for r in state.retries]  # (n_agents,) the charges of the whole game
         if not game.done:
-            rewards = tuple((-1.0 if r else 0.0) - c for r, c in zip(state.retries, charged))
+            cut = [-1.0 if r else 0.0 for r in state.retries]  # (n_agents,) the horizon's verdict
+            rewards = tuple(v - c for v, c in zip(cut, charged))
             info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
                     "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
             if self.self_play:
                 info["invalid_by"] = ""
                 info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
-                info["reward_by_role"] = {role: (-1.0 if r else 0.0) - p for role, r, p in zip(self.roles, state.retries, paid)}
+                info["reward_by_role"] = {role: v - p for role, v, p in zip(self.roles, cut, paid)}
             return StepOutcome(rewards=rewards, solved=False, info=info)
         by_seat, game_info = game.result
         rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
