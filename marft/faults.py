@@ -82,9 +82,10 @@ def oom_message(config, iteration: int, n_agents: int, token_level: bool = False
         f"minibatch {minibatch} (--num_mini_batch {ac.num_mini_batch}), forward/backward chunk {chunk} "
         f"(critic {critic_chunk}; --gradient_cp_steps {ac.gradient_cp_steps}), sequences up to "
         f"{mc.context_window} tokens with replies of --max_new_tokens {mc.max_new_tokens}. "
-        f"To use less memory: raise --gradient_cp_steps (smaller chunks, same update), set --max_chunk_tokens "
-        f"(chunks cut by padded tokens: long prompts of later agents no longer make the peak; same update; currently "
-        f"{ac.max_chunk_tokens}), lower --max_logits_mib (the vocabulary's logits formed fewer rows at a time; currently "
+        f"To use less memory: raise --gradient_cp_steps (smaller chunks, same update), lower --max_chunk_mib or set "
+        f"--max_chunk_tokens (chunks cut to a budget of positions: long prompts of later agents no longer make the "
+        f"peak; same update; currently --max_chunk_mib {'default' if ac.max_chunk_mib is None else ac.max_chunk_mib}, "
+        f"--max_chunk_tokens {ac.max_chunk_tokens}), lower --max_logits_mib (the vocabulary's logits formed fewer rows at a time; currently "
         f"{mc.max_logits_mib}), raise --num_mini_batch, "
         f"lower --max_new_tokens or --context_window, or lower --n_rollout_threads / --episode_length."
     )

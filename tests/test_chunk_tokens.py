@@ -129,7 +129,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
 
         def spy(samples, chunks_per_minibatch, original=original, chunks_seen=chunks_seen):
             out = original(samples, chunks_per_minibatch)
-            chunks_seen.append([(samples, chunk) for chunks, _ in out for chunk in chunks])
+            chunks_seen.append([(samples, chunk) for minibatch in out for chunk in minibatch.chunks])
             return out
 
         trainer._minibatches = spy
@@ -155,3 +155,52 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
 def test_the_budget_must_be_positive():
     with pytest.raises(ValueError, match="--max_chunk_tokens must be"):
         AlgoConfig(max_chunk_tokens=0)
+
+
+def test_a_budget_that_cuts_nothing_changes_nothing(random_model_dir):
+    """A chunk budget wider than every minibatch (the default ``--max_chunk_mib`` on a small model) runs each
+    minibatch exactly as no budget does: the same chunks in the same (shuffled) row order and role headers shared
+    over a minibatch, so the gradients are bit-identical (a recorded seeded run reproduces)."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir)
+    perturb_adapters(team, std=0.1)
+    grads, chunks = {}, {}
+    for name, algo in {"none": {"max_chunk_mib": 0}, "wide": {"max_chunk_tokens": 10**9}, "default": {}}.items():
+        trainer = APPOTrainer(team, AlgoConfig(algorithm_name="APPO", ppo_epoch=1, num_mini_batch=2, **algo), steps_per_iteration=8)
+        torch.manual_seed(0)
+        buffer = fill_buffer(team, trainer=trainer)
+        trainer.compute_advantages(buffer)
+        policy_samples, critic_samples = buffer.agent_samples(0, False), buffer.critic_samples(False)
+        torch.manual_seed(1)
+        chunks[name] = [[c.tolist() for c in m.chunks] + [m.budget_cut] for m in trainer._minibatches(critic_samples, team.n_agents)]
+        torch.manual_seed(2)
+        grads[name] = one_step_gradients(trainer, trainer.update_policy, "reasoner", policy_samples)
+        grads[name] += one_step_gradients(trainer, trainer.update_critic, critic_samples)
+        team.set_active(None)
+    assert trainer.chunk_tokens > 10_000  # the default on this small model cuts nothing
+    assert chunks["wide"] == chunks["none"] == chunks["default"] and not any(m[-1] for m in chunks["none"])
+    for other in ("wide", "default"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[other]))
+
+
+def test_the_default_budget_follows_the_model_and_device():
+    """``--max_chunk_tokens`` wins; else ``--max_chunk_mib`` (1024 on CPU) over the estimated bytes a position
+    keeps: fewer positions for a wider model, twice as many in bf16, more under gradient checkpointing; 0 is none."""
+    from transformers import Qwen2Config
+
+    from marft.algorithms.chunk_budget import CPU_CHUNK_MIB, bytes_per_position, chunk_token_budget
+
+    cpu = torch.device("cpu")
+    small = Qwen2Config(hidden_size=64, intermediate_size=192, num_hidden_layers=3)
+    wide = Qwen2Config(hidden_size=768, intermediate_size=2304, num_hidden_layers=12)  # the memory suite's 85M model
+    assert bytes_per_position(wide, torch.float32) == 12 * (8 * 768 + 4 * 2304) * 4  # 0.70 MiB
+    assert bytes_per_position(wide, torch.bfloat16) * 2 == bytes_per_position(wide, torch.float32)
+    assert bytes_per_position(wide, torch.float32, gradient_checkpointing=True) == (12 * 768 + 8 * 768 + 4 * 2304) * 4
+    default = chunk_token_budget(AlgoConfig(), wide, torch.float32, cpu)
+    assert default == CPU_CHUNK_MIB * 2**20 // bytes_per_position(wide, torch.float32) == 1456
+    assert chunk_token_budget(AlgoConfig(), small, torch.float32, cpu) > 60_000  # marft-tiny's shape: nothing cut
+    assert chunk_token_budget(AlgoConfig(max_chunk_mib=512), wide, torch.float32, cpu) == default // 2
+    assert chunk_token_budget(AlgoConfig(max_chunk_mib=0), wide, torch.float32, cpu) is None
+    assert chunk_token_budget(AlgoConfig(max_chunk_mib=0, max_chunk_tokens=300), wide, torch.float32, cpu) == 300
+    with pytest.raises(ValueError, match="--max_chunk_mib must be"):
+        AlgoConfig(max_chunk_mib=-1)

@@ -202,11 +202,11 @@ def _same_agents_in_every_chunk(minibatches, buffer):
     """``trainer._minibatches`` whose chunks each hold rows of every agent (round-robin over the agents' rows)."""
     def wrapped(samples, chunks_per_minibatch):
         out = []
-        for chunks, *units in minibatches(samples, chunks_per_minibatch):
-            rows = torch.cat(chunks)
+        for minibatch in minibatches(samples, chunks_per_minibatch):
+            rows = torch.cat(minibatch.chunks)
             by_agent = [rows[samples.agent[rows] == a] for a in samples.agent.unique()]
             interleaved = torch.stack([r[: min(len(x) for x in by_agent)] for r in by_agent], 1).flatten()
-            out.append((list(interleaved.chunk(chunks_per_minibatch)), *units))
+            out.append(minibatch._replace(chunks=list(interleaved.chunk(chunks_per_minibatch))))
         return out
     return wrapped
 
@@ -218,11 +218,12 @@ def test_with_a_chunk_token_budget_every_chunk_runs_its_own_headers(random_model
     team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"kl_coef": 0.0})  # no reference forward to count
     shared, shared_runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
     widest = buffer.prompt_mask.sum(-1).max() + buffer.response_mask.sum(-1).max() + max(map(len, team.headers.header_ids))
-    budget = int(widest) * 3  # about three rows a chunk
+    budget = int(widest)  # about a row a chunk
     trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0)
-    chunks = []
+    seen = []
     minibatches = trainer._minibatches
-    monkeypatch.setattr(trainer, "_minibatches", lambda s, k: [m for m in minibatches(s, k) if not chunks.append(len(m[0]))])
+    monkeypatch.setattr(trainer, "_minibatches", lambda s, k: [m for m in minibatches(s, k) if not seen.append(m)])
     per_chunk, per_chunk_runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
-    assert per_chunk_runs == sum(chunks) > shared_runs  # one header forward per chunk (policies' and critic's)
+    assert all(m.budget_cut for m in seen)  # every minibatch here is cut (none runs as without a budget)
+    assert per_chunk_runs == sum(len(m.chunks) for m in seen) > shared_runs  # one header forward per chunk (policies' and critic's)
     assert_same_gradients(per_chunk, shared)

@@ -83,10 +83,10 @@ class APPOTrainer(PPOTrainer):
         team.set_active(critic, trainable=True)
         stats = defaultdict(list)
         for _ in range(cfg.ppo_epoch):
-            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
-                loss_ok = True
-                with self.headers_of_chunks():
-                    for chunk in chunks:
+            for minibatch in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
+                loss_ok, units = True, minibatch.units
+                with self.headers_of_chunks(minibatch):
+                    for chunk in minibatch.chunks:
                         mb = samples.rows(chunk).trimmed(team.device)
                         value_loss = self.value_loss(mb, critic)
                         loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)

@@ -13,10 +13,12 @@ import logging
 import math
 from collections import defaultdict
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import torch
 
 from marft.agents.team import AgentTeam
+from marft.algorithms.chunk_budget import chunk_token_budget
 from marft.algorithms.losses import clipped_policy_loss, normalize_logprobs, rollout_correction_weights
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
@@ -25,6 +27,17 @@ from marft.rollout.buffer import RolloutBuffer
 from marft.types import TurnBatch
 
 logger = logging.getLogger(__name__)
+
+
+class Minibatch(NamedTuple):
+    """One optimizer step's rows (:meth:`PPOTrainer._minibatches`)."""
+
+    chunks: list[torch.Tensor]
+    """Row indices of each gradient-accumulation chunk, in the order they run."""
+    units: float
+    """The minibatch's loss units summed over processes (each chunk's loss is weighted by its share of them)."""
+    budget_cut: bool = False
+    """Whether the chunk token budget cut it (its chunks then run their own role headers)."""
 
 
 class PPOTrainer:
@@ -62,6 +75,14 @@ class PPOTrainer:
         """The 0-based iteration being updated (for messages)."""
         self.scored_positions = [0, 0]
         """Token positions the policy forwards of the current adapter's update ran, and of them padding (``pad_share``)."""
+        logger.info("update chunk budget: %s positions", self.chunk_tokens if self.chunk_tokens is not None else "no")
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """Positions one gradient-accumulation chunk's forward may run (``--max_chunk_tokens``, else from
+        ``--max_chunk_mib``, :mod:`marft.algorithms.chunk_budget`); None: no budget."""
+        base = self.team.bank.model
+        return chunk_token_budget(self.config, base.config, next(base.parameters()).dtype, self.team.device, self.team.config.gradient_checkpointing)
 
     # ------------------------------------------------------------------ schedule
     schedule_origin: tuple[int, int] = (0, 0)
@@ -285,16 +306,16 @@ class PPOTrainer:
         counts = self.dist.sum_floats([n_samples if rank == self.dist.rank else 0 for rank in range(self.dist.world_size)])
         return int(sum(counts[: self.dist.rank])), int(sum(counts)), len(set(counts)) == 1
 
-    def headers_of_chunks(self):
+    def headers_of_chunks(self, minibatch: Minibatch):
         """The context a minibatch's chunks run in: each role header runs once for all of them (one forward and
-        backward per minibatch, its graph held until the minibatch ends), or, with ``--max_chunk_tokens``, once
-        per chunk, so that nothing of one chunk is held while the next runs and the budget bounds the update's
+        backward per minibatch, its graph held until the minibatch ends), or, in a minibatch the chunk budget cut,
+        once per chunk, so that nothing of one chunk is held while the next runs and the budget bounds the update's
         memory (a critic of n agents would otherwise hold n headers' graphs: their tokens' activations)."""
-        return self.team.headers.shared_over_chunks() if self.config.max_chunk_tokens is None else nullcontext()
+        return nullcontext() if minibatch.budget_cut else self.team.headers.shared_over_chunks()
 
-    def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[tuple[list[torch.Tensor], float]]:
+    def _minibatches(self, samples: TurnBatch, chunks_per_minibatch: int) -> list[Minibatch]:
         """One epoch: shuffled index minibatches, each split into ``chunks_per_minibatch`` chunks, with the loss
-        units of each minibatch summed over processes. Returns ``[(chunks, units)]``.
+        units of each minibatch summed over processes.
 
         When every process holds as many rows, each shuffles its own and cuts them into ``num_mini_batch``
         minibatches (so every process runs as many, and seeded runs draw their random numbers as they always did).
@@ -302,9 +323,11 @@ class PPOTrainer:
         :meth:`Distributed.permutation`), cut into ``num_mini_batch`` minibatches of ``ceil(total / num_mini_batch)``
         rows; each process keeps its own rows of each, so every process runs as many minibatches (its own part
         possibly empty: no chunk) and the union of the processes' k-th minibatches is the single-process k-th
-        minibatch on the union. A minibatch's
-        rows are sorted by length before it is cut into chunks: each chunk then holds rows of similar lengths and
-        pays for less padding (the minibatch's gradient, their sum, is the same)."""
+        minibatch on the union. With several chunks a
+        minibatch's rows are sorted by length before it is cut into chunks: each chunk then holds rows of similar
+        lengths and pays for less padding (the minibatch's gradient, their sum, is the same). The chunk token budget
+        (:attr:`chunk_tokens`) then cuts chunks further; a minibatch it does not cut keeps the chunks (and row order)
+        it has without a budget, so a run whose chunks all fit computes exactly what it computes without one."""
         n_samples = samples.prompt_ids.shape[0]
         offset, total, equal = self._row_share(samples)
         if equal:  # every process shuffles its own rows: as many minibatches everywhere, no broadcast
@@ -314,26 +337,26 @@ class PPOTrainer:
             minibatches = [
                 indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
             ]
-        budget = self.config.max_chunk_tokens
-        header_lengths = self._header_lengths(samples) if budget is not None else None
-        if chunks_per_minibatch > 1 or budget is not None:
-            lengths = samples.prompt_mask.sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
-            if samples.response_mask is not None:
-                lengths = lengths + samples.response_mask.sum(-1)
-            minibatches = [indices[lengths[indices].argsort(stable=True)] for indices in minibatches]
         units = self.dist.sum_floats([self.loss_units(samples, indices) for indices in minibatches])  # one all-reduce
         return [
-            (
-                [
-                    part
-                    for chunk in indices.chunk(chunks_per_minibatch)
-                    if len(chunk)
-                    for part in (self._token_budget_split(samples, chunk, budget, header_lengths) if budget is not None else [chunk])
-                ],
-                max(u, 1.0),
-            )
+            Minibatch(chunks, max(u, 1.0), budget_cut)
             for indices, u in zip(minibatches, units)
+            for chunks, budget_cut in [self._chunks(samples, indices, chunks_per_minibatch)]
         ]
+
+    def _chunks(self, samples: TurnBatch, indices: torch.Tensor, chunks_per_minibatch: int) -> tuple[list[torch.Tensor], bool]:
+        """``(chunks, budget_cut)``: one minibatch's rows as gradient-accumulation chunks (see :meth:`_minibatches`)."""
+        lengths = samples.prompt_mask.sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
+        if samples.response_mask is not None:
+            lengths = lengths + samples.response_mask.sum(-1)
+        by_length = indices[lengths[indices].argsort(stable=True)]
+        chunks = [chunk for chunk in (by_length if chunks_per_minibatch > 1 else indices).chunk(chunks_per_minibatch) if len(chunk)]
+        if self.chunk_tokens is None:
+            return chunks, False
+        header_lengths = self._header_lengths(samples)
+        cut = [part for chunk in by_length.chunk(chunks_per_minibatch) if len(chunk)
+               for part in self._token_budget_split(samples, chunk, self.chunk_tokens, header_lengths)]
+        return (cut, True) if len(cut) > len(chunks) else (chunks, False)
 
     def _header_lengths(self, samples: TurnBatch) -> torch.Tensor | None:
         """``(n,)`` each row's role-header tokens when the forward shares the headers (rows of several agents are
@@ -439,10 +462,10 @@ class PPOTrainer:
         self.scored_positions = [0, 0]
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
-            for chunks, units in self._minibatches(samples, cfg.gradient_cp_steps):
-                loss_ok = True
-                with self.headers_of_chunks():
-                    for chunk in chunks:
+            for minibatch in self._minibatches(samples, cfg.gradient_cp_steps):
+                loss_ok, units = True, minibatch.units
+                with self.headers_of_chunks(minibatch):
+                    for chunk in minibatch.chunks:
                         mb = samples.rows(chunk).trimmed(team.device)
                         policy_loss, entropy, pstats = self.policy_loss(adapter, mb)
                         loss = (policy_loss - self.entropy_coefs[adapter] * entropy) * (self.loss_units(samples, chunk) / units)
