@@ -60,7 +60,7 @@ class Preempted(Exception):
         """The checkpoint to continue from (None when none could be written)."""
 
 
-def oom_message(config, iteration: int, n_agents: int, token_level: bool = False) -> str:
+def oom_message(config, iteration: int, n_agents: int, token_level: bool = False, chunk_tokens: int | None = None) -> str:
     """Batch sizes of the update that ran out of memory and the flags that shrink them.
 
     Args:
@@ -68,6 +68,7 @@ def oom_message(config, iteration: int, n_agents: int, token_level: bool = False
         iteration: the 0-based iteration whose update failed.
         n_agents: team size (the critic trains on every agent's turns).
         token_level: whether the trainer is token level (MARFT-T).
+        chunk_tokens: the chunk token budget the update ran with (None: none).
     """
     mc, ac, rc = config.model, config.algo, config.runner
     per_agent = rc.episode_length * rc.n_rollout_threads  # turns per agent in one rollout batch
@@ -84,8 +85,9 @@ def oom_message(config, iteration: int, n_agents: int, token_level: bool = False
         f"{mc.context_window} tokens with replies of --max_new_tokens {mc.max_new_tokens}. "
         f"To use less memory: raise --gradient_cp_steps (smaller chunks, same update), lower --max_chunk_mib or set "
         f"--max_chunk_tokens (chunks cut to a budget of positions: long prompts of later agents no longer make the "
-        f"peak; same update; currently --max_chunk_mib {'default' if ac.max_chunk_mib is None else ac.max_chunk_mib}, "
-        f"--max_chunk_tokens {ac.max_chunk_tokens}), lower --max_logits_mib (the vocabulary's logits formed fewer rows at a time; currently "
+        f"peak; same update; currently {chunk_tokens if chunk_tokens is not None else 'no'} positions a chunk, from "
+        f"--max_chunk_mib {'default' if ac.max_chunk_mib is None else ac.max_chunk_mib} and --max_chunk_tokens "
+        f"{ac.max_chunk_tokens}), lower --max_logits_mib (the vocabulary's logits formed fewer rows at a time; currently "
         f"{mc.max_logits_mib}), raise --num_mini_batch, "
         f"lower --max_new_tokens or --context_window, or lower --n_rollout_threads / --episode_length."
     )

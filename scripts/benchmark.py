@@ -634,6 +634,7 @@ def bench_iteration(args) -> dict:
     result = {
         "bench": "iteration",
         **setup_fields(args, team),
+        "chunk_tokens": trainer.chunk_tokens,
         "episode_length": args.episode_length,
         "ppo_epoch": args.ppo_epoch,
         "seconds_per_iteration": (sum(rollout_s) + sum(update_s)) / args.repeats,

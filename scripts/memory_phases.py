@@ -121,6 +121,8 @@ def main(argv=None) -> dict:
         "bench": "memory_phases",
         **benchmark.setup_fields(args, team),
         "max_chunk_tokens": args.max_chunk_tokens,
+        "max_chunk_mib": args.max_chunk_mib,
+        "chunk_tokens": trainer.chunk_tokens,
         "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
         "params_mib": sum(p.numel() * p.element_size() for p in team.model.parameters()) / 2**20,
         "peak_mib": round(max(peaks.peaks.values()), 1),
@@ -128,7 +130,7 @@ def main(argv=None) -> dict:
         **after_rollout,
     }
     if other is not None:
-        result["versus"] = {key: other[key] for key in ("n_agents", "model", "n_envs", "max_chunk_tokens", "params_mib", "peak_mib", "phase_peak_mib")}
+        result["versus"] = {key: other[key] for key in ("n_agents", "model", "n_envs", "max_chunk_tokens", "chunk_tokens", "params_mib", "peak_mib", "phase_peak_mib")}
         result["extra_model_copies"] = round((result["peak_mib"] - other["peak_mib"]) / other["params_mib"], 3)
     print(json.dumps(result), flush=True)
     return result

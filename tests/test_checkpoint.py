@@ -179,6 +179,23 @@ def test_a_checkpoint_from_before_chat_templates_resumes_with_plain_prompts(trai
     assert resume_config(*parse_config(["--load_path", str(checkpoint), "--chat_template", "auto"])).model.chat_template == "auto"
 
 
+def test_a_checkpoint_from_before_the_chunk_budget_resumes_without_one(trained_run, tmp_path):
+    """A checkpoint whose config has no ``max_chunk_mib`` ran its update chunks with no budget (unless
+    ``--max_chunk_tokens`` gave one): it resumes so (``0``), unless the flag is given; a new one keeps the default."""
+    from marft.config import parse_config
+    from marft.training.checkpoint import MANIFEST, _write_manifest, resume_config
+
+    checkpoint = copy_run(trained_run, tmp_path) / "checkpoints" / f"steps_{N}"
+    assert resume_config(*parse_config(["--load_path", str(checkpoint)])).algo.max_chunk_mib is None  # saved with the flag
+    saved = json.loads((checkpoint / "config.json").read_text())
+    del saved["algo"]["max_chunk_mib"]
+    (checkpoint / "config.json").write_text(json.dumps(saved))
+    (checkpoint / MANIFEST).unlink()
+    _write_manifest(checkpoint)
+    assert resume_config(*parse_config(["--load_path", str(checkpoint)])).algo.max_chunk_mib == 0
+    assert resume_config(*parse_config(["--load_path", str(checkpoint), "--max_chunk_mib", "512"])).algo.max_chunk_mib == 512
+
+
 def test_load_path_run_directory_takes_latest_complete_checkpoint(trained_run, tmp_path):
     run = copy_run(trained_run, tmp_path)
     checkpoints = run / "checkpoints"

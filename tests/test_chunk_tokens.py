@@ -185,22 +185,45 @@ def test_a_budget_that_cuts_nothing_changes_nothing(random_model_dir):
 
 def test_the_default_budget_follows_the_model_and_device():
     """``--max_chunk_tokens`` wins; else ``--max_chunk_mib`` (1024 on CPU) over the estimated bytes a position
-    keeps: fewer positions for a wider model, twice as many in bf16, more under gradient checkpointing; 0 is none."""
-    from transformers import Qwen2Config
+    keeps: fewer positions for a wider model, more under gradient checkpointing, a mixture of experts counted per
+    expert a token visits; 0 is none; a config with no size to estimate from is a clear error."""
+    from transformers import GPT2Config, PretrainedConfig, Qwen2Config
 
     from marft.algorithms.chunk_budget import CPU_CHUNK_MIB, bytes_per_position, chunk_token_budget
 
     cpu = torch.device("cpu")
     small = Qwen2Config(hidden_size=64, intermediate_size=192, num_hidden_layers=3)
     wide = Qwen2Config(hidden_size=768, intermediate_size=2304, num_hidden_layers=12)  # the memory suite's 85M model
-    assert bytes_per_position(wide, torch.float32) == 12 * (8 * 768 + 4 * 2304) * 4  # 0.70 MiB
-    assert bytes_per_position(wide, torch.bfloat16) * 2 == bytes_per_position(wide, torch.float32)
-    assert bytes_per_position(wide, torch.float32, gradient_checkpointing=True) == (12 * 768 + 8 * 768 + 4 * 2304) * 4
-    default = chunk_token_budget(AlgoConfig(), wide, torch.float32, cpu)
-    assert default == CPU_CHUNK_MIB * 2**20 // bytes_per_position(wide, torch.float32) == 1456
-    assert chunk_token_budget(AlgoConfig(), small, torch.float32, cpu) > 60_000  # marft-tiny's shape: nothing cut
-    assert chunk_token_budget(AlgoConfig(max_chunk_mib=512), wide, torch.float32, cpu) == default // 2
-    assert chunk_token_budget(AlgoConfig(max_chunk_mib=0), wide, torch.float32, cpu) is None
-    assert chunk_token_budget(AlgoConfig(max_chunk_mib=0, max_chunk_tokens=300), wide, torch.float32, cpu) == 300
+    assert bytes_per_position(wide) == 12 * (8 * 768 + 4 * 2304) * 4  # 0.70 MiB: float32 values whatever the dtype
+    assert bytes_per_position(wide, gradient_checkpointing=True) == (12 * 768 + 8 * 768 + 4 * 2304) * 4
+    default = chunk_token_budget(AlgoConfig(), wide, cpu)
+    assert default == CPU_CHUNK_MIB * 2**20 // bytes_per_position(wide) == 1456
+    assert chunk_token_budget(AlgoConfig(), small, cpu) == 69905  # marft-tiny's shape: nothing cut
+    assert chunk_token_budget(AlgoConfig(max_chunk_mib=512), wide, cpu) == default // 2
+    assert chunk_token_budget(AlgoConfig(max_chunk_mib=0), wide, cpu) is None
+    assert chunk_token_budget(AlgoConfig(max_chunk_mib=0, max_chunk_tokens=300), wide, cpu) == 300
+    moe = Qwen2Config(hidden_size=768, intermediate_size=2304, num_hidden_layers=12)
+    moe.moe_intermediate_size, moe.num_experts_per_tok = 1152, 4  # a token through 4 experts of 1152
+    assert bytes_per_position(moe) == 12 * (8 * 768 + 4 * 1152 * 4) * 4
+    gpt2 = GPT2Config(n_embd=256, n_layer=4)  # no intermediate size: 4 x hidden
+    assert bytes_per_position(gpt2) == 4 * (8 * 256 + 4 * 1024) * 4
+    with pytest.raises(ValueError, match="--max_chunk_tokens N, or none with --max_chunk_mib 0"):
+        bytes_per_position(PretrainedConfig())
     with pytest.raises(ValueError, match="--max_chunk_mib must be"):
         AlgoConfig(max_chunk_mib=-1)
+
+
+def test_on_a_gpu_the_default_is_a_quarter_of_its_memory(monkeypatch):
+    """On CUDA the default ``--max_chunk_mib`` is the GPU's total memory over 4 (an 80 GiB GPU: 20 GiB, ~4,000
+    positions of Qwen2.5-1.5B's shape, its bf16 counted as float32); on CPU it is fixed, whatever the machine's memory."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config
+
+    from marft.algorithms.chunk_budget import CPU_CHUNK_MIB, chunk_token_budget, default_chunk_mib
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * 2**30))
+    assert default_chunk_mib(torch.device("cuda", 0)) == 20 * 1024
+    assert default_chunk_mib(torch.device("cpu")) == CPU_CHUNK_MIB
+    qwen_1_5b = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
+    assert 3900 < chunk_token_budget(AlgoConfig(), qwen_1_5b, torch.device("cuda", 0)) < 4100

@@ -227,3 +227,25 @@ def test_with_a_chunk_token_budget_every_chunk_runs_its_own_headers(random_model
     assert all(m.budget_cut for m in seen)  # every minibatch here is cut (none runs as without a budget)
     assert per_chunk_runs == sum(len(m.chunks) for m in seen) > shared_runs  # one header forward per chunk (policies' and critic's)
     assert_same_gradients(per_chunk, shared)
+
+
+def test_headers_held_over_an_uncut_minibatch_count_against_the_budget(random_model_dir):
+    """The critic's chunks (one per agent) each fit the budget, but run with shared headers every chunk's header
+    graph is held until the minibatch ends: when the largest chunk plus all held headers pass the budget, the
+    minibatch keeps its chunks and runs each one's own headers (``budget_cut``); with room for them, it runs as
+    without a budget."""
+    team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"kl_coef": 0.0})
+    samples = buffer.critic_samples(False)
+    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_mib=0, kl_coef=0.0)
+    torch.manual_seed(0)
+    (plain,) = trainer._minibatches(samples, team.n_agents)
+    header_lengths = trainer._header_lengths(samples)
+    rows, headers = zip(*(trainer._chunk_positions(samples, chunk, header_lengths) for chunk in plain.chunks))
+    assert len(plain.chunks) == team.n_agents and min(headers) > 0 and not plain.budget_cut
+    fits_alone = max(r + h for r, h in zip(rows, headers))  # no chunk is cut at this budget
+    assert fits_alone < max(rows) + sum(headers)
+    for budget, cut in ((fits_alone, True), (max(rows) + sum(headers), False)):
+        trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0)
+        torch.manual_seed(0)
+        (minibatch,) = trainer._minibatches(samples, team.n_agents)
+        assert [c.tolist() for c in minibatch.chunks] == [c.tolist() for c in plain.chunks] and minibatch.budget_cut is cut

@@ -2,17 +2,20 @@
 
 ``--max_chunk_tokens N`` sets it in positions. Without it the budget comes from ``--max_chunk_mib``: the memory
 one chunk's forward may keep for its backward, divided by an estimate of what one position keeps in a decoder
-layer stack. The estimate counts, per layer and position, ``8 x hidden + 4 x intermediate`` values of the model's
-dtype (the saved inputs and outputs of the norms, projections, attention and MLP, and the LoRA inputs), or one
-``hidden`` vector per layer plus one layer's worth under ``--gradient_checkpointing`` (only the layers' inputs are
-kept). It is an estimate, not a measurement: on the random 85M model of the memory suite (768 x 12, intermediate
-2304, float32) it reads 0.70 MiB per position where the suite measured about 0.6; the vocabulary's logits are
-bounded on their own (``--max_logits_mib``).
+layer stack. The estimate counts, per layer and position, ``8 x hidden + 4 x intermediate`` values (the saved
+inputs and outputs of the norms, projections, attention and MLP, and the LoRA inputs; a mixture of experts'
+intermediate size times the experts each token visits), or one ``hidden`` vector per layer plus one layer's worth
+under ``--gradient_checkpointing`` (only the layers' inputs are kept). Every value is counted as float32 whatever
+the model's dtype: a bf16 model's LoRA layers (peft keeps adapters in float32) and norms keep float32 copies of
+their inputs, so a bf16 count would be 1.5-1.7x low. It is an estimate, not a measurement: on the random 85M model
+of the memory suite (768 x 12, intermediate 2304, float32) it reads 0.70 MiB per position where the suite measured
+about 0.6; the attention probabilities of an eager (non-fused) attention and the vocabulary's logits (bounded on
+their own, ``--max_logits_mib``) are not counted.
 
-The default memory, 1024 MiB on CPU and one eighth of the GPU's memory on CUDA, is fixed per device kind, so a
-seeded CPU run chunks the same on every machine. A chunk the budget does not cut runs as it did without a budget
-(:meth:`~marft.algorithms.ppo.PPOTrainer._minibatches`), so small models (the embedded ``marft-tiny``: ~63,000
-positions at 1024 MiB) train exactly as before.
+The default memory, 1024 MiB on CPU and a quarter of the GPU's memory on CUDA, is fixed per device kind, so a
+seeded CPU run chunks the same on every machine. A minibatch the budget does not cut runs as it does without a
+budget (:meth:`~marft.algorithms.ppo.PPOTrainer._minibatches`), so small models (the embedded ``marft-tiny``:
+69,905 positions at 1024 MiB) train exactly as before.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from marft.config import AlgoConfig
 
 CPU_CHUNK_MIB = 1024
 """The default ``--max_chunk_mib`` on CPU."""
-GPU_MEMORY_SHARE = 8
-"""On CUDA the default ``--max_chunk_mib`` is the GPU's total memory over this."""
+GPU_MEMORY_SHARE = 4
+"""On CUDA the default ``--max_chunk_mib`` is the GPU's total memory over this (the rest holds the weights, the
+logits budget, an inference engine's share and the allocator's slack)."""
+VALUE_BYTES = 4
+"""Bytes counted per kept value: float32, whatever the model's dtype (module docstring)."""
 
 
 def default_chunk_mib(device: torch.device) -> int:
@@ -35,21 +41,34 @@ def default_chunk_mib(device: torch.device) -> int:
     return CPU_CHUNK_MIB
 
 
-def bytes_per_position(model_config, dtype: torch.dtype, gradient_checkpointing: bool = False) -> int:
+def bytes_per_position(model_config, gradient_checkpointing: bool = False) -> int:
     """Estimated activation bytes one token position keeps for the backward over the decoder layers of a
-    transformers model config (its text config for multimodal ones)."""
+    transformers model config (its text config for multimodal ones).
+
+    Raises:
+        ValueError: the config names no hidden size or layer count (set ``--max_chunk_tokens`` or
+            ``--max_chunk_mib 0``)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
-    hidden = getattr(text, "hidden_size", None) or text.n_embd
-    layers = getattr(text, "num_hidden_layers", None) or text.n_layer
-    intermediate = getattr(text, "intermediate_size", None) or 4 * hidden
+    hidden = _first(text, "hidden_size", "n_embd", "d_model")
+    layers = _first(text, "num_hidden_layers", "n_layer", "num_layers")
+    if hidden is None or layers is None:
+        raise ValueError(
+            f"cannot estimate the update's memory per position of a {type(text).__name__} (no hidden size or layer "
+            "count in its config): set the chunk budget with --max_chunk_tokens N, or none with --max_chunk_mib 0"
+        )
+    intermediate = _first(text, "moe_intermediate_size", "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    intermediate *= _first(text, "num_experts_per_tok") or 1  # a token's MLP activations in every expert it visits
     per_layer = 8 * hidden + 4 * intermediate  # values one layer keeps per position
     values = layers * hidden + per_layer if gradient_checkpointing else layers * per_layer
-    return values * torch.finfo(dtype).bits // 8
+    return values * VALUE_BYTES
 
 
-def chunk_token_budget(
-    config: AlgoConfig, model_config, dtype: torch.dtype, device: torch.device, gradient_checkpointing: bool = False
-) -> int | None:
+def _first(config, *names: str) -> int | None:
+    """The first of ``names`` that ``config`` sets (not None)."""
+    return next((value for value in (getattr(config, name, None) for name in names) if value is not None), None)
+
+
+def chunk_token_budget(config: AlgoConfig, model_config, device: torch.device, gradient_checkpointing: bool = False) -> int | None:
     """The update's chunk budget in positions: ``--max_chunk_tokens`` if given, else ``--max_chunk_mib`` (or its
     device default) over :func:`bytes_per_position`; None for no budget (``--max_chunk_mib 0``)."""
     if config.max_chunk_tokens is not None:
@@ -57,4 +76,4 @@ def chunk_token_budget(
     mib = default_chunk_mib(device) if config.max_chunk_mib is None else config.max_chunk_mib
     if mib == 0:
         return None
-    return max(1, mib * 2**20 // bytes_per_position(model_config, dtype, gradient_checkpointing))
+    return max(1, mib * 2**20 // bytes_per_position(model_config, gradient_checkpointing))

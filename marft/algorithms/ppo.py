@@ -75,14 +75,15 @@ class PPOTrainer:
         """The 0-based iteration being updated (for messages)."""
         self.scored_positions = [0, 0]
         """Token positions the policy forwards of the current adapter's update ran, and of them padding (``pad_share``)."""
-        logger.info("update chunk budget: %s positions", self.chunk_tokens if self.chunk_tokens is not None else "no")
+        budget = self.chunk_tokens
+        if dist.is_main:
+            logger.info("update chunk budget: %s", f"{budget} positions" if budget is not None else "none")
 
     @property
     def chunk_tokens(self) -> int | None:
         """Positions one gradient-accumulation chunk's forward may run (``--max_chunk_tokens``, else from
         ``--max_chunk_mib``, :mod:`marft.algorithms.chunk_budget`); None: no budget."""
-        base = self.team.bank.model
-        return chunk_token_budget(self.config, base.config, next(base.parameters()).dtype, self.team.device, self.team.config.gradient_checkpointing)
+        return chunk_token_budget(self.config, self.team.bank.model.config, self.team.device, self.team.config.gradient_checkpointing)
 
     # ------------------------------------------------------------------ schedule
     schedule_origin: tuple[int, int] = (0, 0)
@@ -356,7 +357,24 @@ class PPOTrainer:
         header_lengths = self._header_lengths(samples)
         cut = [part for chunk in by_length.chunk(chunks_per_minibatch) if len(chunk)
                for part in self._token_budget_split(samples, chunk, self.chunk_tokens, header_lengths)]
-        return (cut, True) if len(cut) > len(chunks) else (chunks, False)
+        if len(cut) > len(chunks):
+            return cut, True
+        if header_lengths is not None and len(chunks) > 1:  # headers shared over the chunks are held until the last
+            rows, headers = zip(*(self._chunk_positions(samples, chunk, header_lengths) for chunk in chunks))
+            if max(rows) + sum(headers) > self.chunk_tokens:
+                return chunks, True  # each chunk runs its own headers instead
+        return chunks, False
+
+    @staticmethod
+    def _chunk_positions(samples: TurnBatch, chunk: torch.Tensor, header_lengths: torch.Tensor) -> tuple[int, int]:
+        """``(rows, headers)``: the positions ``chunk``'s forward runs behind its shared role headers, and those of
+        its header forward (agents x longest header), counted as :meth:`_token_budget_split` counts them."""
+        header = header_lengths[chunk]
+        rest = samples.prompt_mask[chunk].sum(-1) - header
+        reply = samples.response_mask[chunk].sum(-1).max() if samples.response_mask is not None else 0
+        if rest.max() == 0:  # prompts that are only their header run whole rows
+            return int(len(chunk) * (header.max() + reply)), 0
+        return int(len(chunk) * (rest.max() + reply)), int(len(samples.agent[chunk].unique()) * header.max())
 
     def _header_lengths(self, samples: TurnBatch) -> torch.Tensor | None:
         """``(n,)`` each row's role-header tokens when the forward shares the headers (rows of several agents are

@@ -271,7 +271,7 @@ class Runner:
             self.writer.flush()
             raise TrainingStopped(f"Training stopped: {error} {self._resume_hint()}") from error
         except torch.OutOfMemoryError as error:
-            raise torch.OutOfMemoryError(oom_message(self.config, iteration, self.team.n_agents, self.trainer.token_level) + f" ({error})") from error
+            raise torch.OutOfMemoryError(oom_message(self.config, iteration, self.team.n_agents, self.trainer.token_level, self.trainer.chunk_tokens) + f" ({error})") from error
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> dict:
