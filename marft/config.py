@@ -163,7 +163,7 @@ class AlgoConfig:
     max_chunk_tokens: Optional[int] = None
     """Token budget of one gradient-accumulation chunk: each minibatch chunk (length-sorted rows) is cut further until the positions its forward runs fit: rows x (longest prompt after the shared role header + longest reply), plus each role header once (headers x longest header; without shared headers, e.g. under --gradient_checkpointing, rows x (longest prompt + longest reply)). Peak update memory then follows the budget, not the prompt lengths of later agents nor how long an agent's role header is (a single longer row is its own chunk); each chunk also runs its own role headers (none held over the minibatch; a header forward and backward per chunk, a little more compute). A minibatch the budget does not cut runs as without one (its rows in their shuffled order, each role header run once for all its chunks). None (the default): the budget follows --max_chunk_mib."""
     max_chunk_mib: Optional[int] = None
-    """Memory budget (MiB) of the activations one update chunk keeps for its backward; sets the chunk's token budget when --max_chunk_tokens is not given: this memory over an estimate of what one position keeps in the model's decoder layers (8 x hidden + 4 x intermediate float32 values per layer, float32 whatever the model's dtype: peft's adapters and the norms keep float32 inputs; one hidden vector per layer under --gradient_checkpointing; marft.algorithms.chunk_budget). Peak update memory then follows the budget, not the number of agents nor how long later agents' conversations are. None (the default): 1024 on CPU (the same chunks on every machine), a quarter of the GPU's memory on CUDA. 0: no budget (chunks of equal rows; the behaviour before this flag)."""
+    """Memory budget (MiB) of the activations one update chunk keeps for its backward; sets the chunk's token budget when --max_chunk_tokens is not given: this memory over an estimate of what one position keeps in the model's decoder layers (8 x hidden + 4 x intermediate float32 values per layer, float32 whatever the model's dtype: peft's adapters and the norms keep float32 inputs; one hidden vector per layer under --gradient_checkpointing; marft.algorithms.chunk_budget). Peak update memory then follows the budget, not the number of agents nor how long later agents' conversations are (a single row longer than the budget is a chunk of its own). None (the default): 1024 on CPU (the same chunks on every machine), a quarter of the GPU's memory on CUDA. 0: no budget (chunks of equal rows; the behaviour before this flag)."""
     clip_param: float = 0.2
     """PPO ratio clip range: the ratio is kept within [1 - clip_param, 1 + clip_param_high]."""
     clip_param_high: Optional[float] = None
@@ -404,7 +404,12 @@ def _flag_type(hint: Any):
     if args and type(None) in args:
         inner = next(a for a in args if a is not type(None))
         convert = _flag_type(inner)
-        return lambda text: None if text.lower() == "none" else convert(text)
+
+        def optional(text: str):
+            return None if text.lower() == "none" else convert(text)
+
+        optional.__name__ = f"{getattr(convert, '__name__', 'value')} or none"  # argparse names it in "invalid ... value"
+        return optional
     if hint is bool:
         return parse_bool
     return hint

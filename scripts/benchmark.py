@@ -163,7 +163,10 @@ def make_config(args, run_dir: str | None) -> TrainConfig:
     values["model"]["model_name_or_path"] = model_path(args)
     values["runner"]["output_dir"] = run_dir
     values["model"]["n_agents"] = None  # --n_agents picks a shipped profile (PROFILES); the profile says the team size
-    return TrainConfig.from_dict(values)
+    try:
+        return TrainConfig.from_dict(values)
+    except ValueError as error:  # a bad flag value: one line, as marft train gives it
+        raise SystemExit(f"error: {error}") from None
 
 
 def emit(result: dict) -> dict:

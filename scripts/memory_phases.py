@@ -99,6 +99,12 @@ def main(argv=None) -> dict:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--versus_agents", type=int, default=None)
     known, argv = own.parse_known_args(argv)
+    if {"-h", "--help"} & set(argv):
+        print(__doc__ + "\n  --versus_agents N     run the same command with --n_agents N first; report the difference\n\n"
+              "scripts/benchmark.py's flags (its iteration set-up):\n")
+        benchmark.parse_args(["iteration", "--help"])
+    if known.versus_agents is not None and known.versus_agents < 1:
+        raise SystemExit(f"--versus_agents must be >= 1, got {known.versus_agents}")
     other = versus(argv, known.versus_agents) if known.versus_agents is not None else None
     args = benchmark.parse_args(["iteration", *argv])
     peaks = PhasePeaks()

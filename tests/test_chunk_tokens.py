@@ -227,3 +227,17 @@ def test_on_a_gpu_the_default_is_a_quarter_of_its_memory(monkeypatch):
     assert default_chunk_mib(torch.device("cpu")) == CPU_CHUNK_MIB
     qwen_1_5b = Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28)
     assert 3900 < chunk_token_budget(AlgoConfig(), qwen_1_5b, torch.device("cuda", 0)) < 4100
+
+
+def test_the_log_names_where_the_budget_came_from(capsys):
+    """The run's log line says which flag (or device default) set the budget; a bad value is one clear line."""
+    from marft.algorithms.chunk_budget import budget_source
+    from marft.config import parse_config
+
+    cpu = torch.device("cpu")
+    assert budget_source(AlgoConfig(), cpu) == "--max_chunk_mib 1024, the CPU default"
+    assert budget_source(AlgoConfig(max_chunk_mib=0), cpu) == "--max_chunk_mib 0"
+    assert budget_source(AlgoConfig(max_chunk_mib=0, max_chunk_tokens=500), cpu) == "--max_chunk_tokens"
+    with pytest.raises(SystemExit):
+        parse_config(["--max_chunk_mib", "abc"])
+    assert "invalid int or none value: 'abc'" in capsys.readouterr().err

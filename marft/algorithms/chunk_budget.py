@@ -77,3 +77,12 @@ def chunk_token_budget(config: AlgoConfig, model_config, device: torch.device, g
     if mib == 0:
         return None
     return max(1, mib * 2**20 // bytes_per_position(model_config, gradient_checkpointing))
+
+
+def budget_source(config: AlgoConfig, device: torch.device) -> str:
+    """Where :func:`chunk_token_budget` took the budget from, for the run's log."""
+    if config.max_chunk_tokens is not None:
+        return "--max_chunk_tokens"
+    if config.max_chunk_mib is None:
+        return f"--max_chunk_mib {default_chunk_mib(device)}, the {'GPU' if device.type == 'cuda' else 'CPU'} default"
+    return f"--max_chunk_mib {config.max_chunk_mib}"

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from marft.agents.team import AgentTeam
-from marft.algorithms.chunk_budget import chunk_token_budget
+from marft.algorithms.chunk_budget import budget_source, chunk_token_budget
 from marft.algorithms.losses import clipped_policy_loss, normalize_logprobs, rollout_correction_weights
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
@@ -77,7 +77,7 @@ class PPOTrainer:
         """Token positions the policy forwards of the current adapter's update ran, and of them padding (``pad_share``)."""
         budget = self.chunk_tokens
         if dist.is_main:
-            logger.info("update chunk budget: %s", f"{budget} positions" if budget is not None else "none")
+            logger.info("update chunk budget: %s (%s)", f"{budget} positions" if budget is not None else "none", budget_source(config, team.device))
 
     @property
     def chunk_tokens(self) -> int | None:
