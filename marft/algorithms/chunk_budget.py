@@ -1,4 +1,4 @@
-"""The token budget of one gradient-accumulation chunk of the update (issue 30, memory).
+"""The token budget of one gradient-accumulation chunk of the update: what bounds the update's memory.
 
 ``--max_chunk_tokens N`` sets it in positions. Without it the budget comes from ``--max_chunk_mib``: the memory
 one chunk's forward may keep for its backward, divided by an estimate of what one position keeps in a decoder
@@ -7,15 +7,14 @@ inputs and outputs of the norms, projections, attention and MLP, and the LoRA in
 intermediate size times the experts each token visits), or one ``hidden`` vector per layer plus one layer's worth
 under ``--gradient_checkpointing`` (only the layers' inputs are kept). Every value is counted as float32 whatever
 the model's dtype: a bf16 model's LoRA layers (peft keeps adapters in float32) and norms keep float32 copies of
-their inputs, so a bf16 count would be 1.5-1.7x low. It is an estimate, not a measurement: on the random 85M model
-of the memory suite (768 x 12, intermediate 2304, float32) it reads 0.70 MiB per position where the suite measured
-about 0.6; the attention probabilities of an eager (non-fused) attention and the vocabulary's logits (bounded on
-their own, ``--max_logits_mib``) are not counted.
+their inputs, so a bf16 count would be 1.5-1.7x low. It is an estimate, not a measurement (the memory table of
+``docs/benchmarks.md`` has what it bounds); the attention probabilities of an eager (non-fused) attention and the
+vocabulary's logits (bounded on their own, ``--max_logits_mib``) are not counted.
 
 The default memory, 1024 MiB on CPU and a quarter of the GPU's memory on CUDA, is fixed per device kind, so a
 seeded CPU run chunks the same on every machine. A minibatch the budget does not cut runs as it does without a
-budget (:meth:`~marft.algorithms.ppo.PPOTrainer._minibatches`), so small models (the embedded ``marft-tiny``:
-69,905 positions at 1024 MiB) train exactly as before.
+budget (:meth:`~marft.algorithms.ppo.PPOTrainer._minibatches`), so a small model's run (the embedded
+``marft-tiny``: 69,905 positions at 1024 MiB) is the same with or without it.
 """
 
 from __future__ import annotations

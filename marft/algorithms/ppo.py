@@ -40,6 +40,16 @@ class Minibatch(NamedTuple):
     """Whether the chunk token budget cut it (its chunks then run their own role headers)."""
 
 
+def forward_positions(rows: int, header: int, rest: int, reply: int, n_headers: int) -> tuple[int, int]:
+    """``(rows', headers')``: the positions a chunk's forward runs for ``rows`` rows laid out as ``[rest][reply]``
+    behind ``n_headers`` shared role headers (the longest ``header`` tokens each, run once for all their rows), and
+    those of the header forward. Prompts that are only their header run whole rows (nothing would follow a shared
+    header): ``rows x (header + reply)``, no header forward."""
+    if rest == 0:
+        return rows * (header + reply), 0
+    return rows * (rest + reply), n_headers * header
+
+
 class PPOTrainer:
     """Owns the optimizers and runs one PPO update per rollout batch.
 
@@ -339,42 +349,43 @@ class PPOTrainer:
                 indices[(indices >= offset) & (indices < offset + n_samples)] - offset for indices in self.dist.permutation(total).split(size)
             ]
         units = self.dist.sum_floats([self.loss_units(samples, indices) for indices in minibatches])  # one all-reduce
-        return [
-            Minibatch(chunks, max(u, 1.0), budget_cut)
-            for indices, u in zip(minibatches, units)
-            for chunks, budget_cut in [self._chunks(samples, indices, chunks_per_minibatch)]
-        ]
-
-    def _chunks(self, samples: TurnBatch, indices: torch.Tensor, chunks_per_minibatch: int) -> tuple[list[torch.Tensor], bool]:
-        """``(chunks, budget_cut)``: one minibatch's rows as gradient-accumulation chunks (see :meth:`_minibatches`)."""
         lengths = samples.prompt_mask.sum(-1)  # (n,) real prompt tokens (and reply tokens, where replies are trained)
         if samples.response_mask is not None:
             lengths = lengths + samples.response_mask.sum(-1)
-        by_length = indices[lengths[indices].argsort(stable=True)]
-        chunks = [chunk for chunk in (by_length if chunks_per_minibatch > 1 else indices).chunk(chunks_per_minibatch) if len(chunk)]
-        if self.chunk_tokens is None:
+        budget = self.chunk_tokens
+        header_lengths = self._header_lengths(samples) if budget is not None else None
+        return [
+            Minibatch(chunks, max(u, 1.0), budget_cut)
+            for indices, u in zip(minibatches, units)
+            for chunks, budget_cut in [self._chunks(samples, indices[lengths[indices].argsort(stable=True)], indices,
+                                                    chunks_per_minibatch, budget, header_lengths)]
+        ]
+
+    def _chunks(self, samples: TurnBatch, by_length: torch.Tensor, shuffled: torch.Tensor, chunks_per_minibatch: int,
+                budget: int | None, header_lengths: torch.Tensor | None) -> tuple[list[torch.Tensor], bool]:
+        """``(chunks, budget_cut)``: one minibatch's rows (``by_length``: sorted by length; ``shuffled``: as drawn) as
+        gradient-accumulation chunks under ``budget`` (see :meth:`_minibatches`)."""
+        chunks = [chunk for chunk in (by_length if chunks_per_minibatch > 1 else shuffled).chunk(chunks_per_minibatch) if len(chunk)]
+        if budget is None:
             return chunks, False
-        header_lengths = self._header_lengths(samples)
         cut = [part for chunk in by_length.chunk(chunks_per_minibatch) if len(chunk)
-               for part in self._token_budget_split(samples, chunk, self.chunk_tokens, header_lengths)]
+               for part in self._token_budget_split(samples, chunk, budget, header_lengths)]
         if len(cut) > len(chunks):
             return cut, True
         if header_lengths is not None and len(chunks) > 1:  # headers shared over the chunks are held until the last
             rows, headers = zip(*(self._chunk_positions(samples, chunk, header_lengths) for chunk in chunks))
-            if max(rows) + sum(headers) > self.chunk_tokens:
+            if max(rows) + sum(headers) > budget:
                 return chunks, True  # each chunk runs its own headers instead
         return chunks, False
 
     @staticmethod
     def _chunk_positions(samples: TurnBatch, chunk: torch.Tensor, header_lengths: torch.Tensor) -> tuple[int, int]:
         """``(rows, headers)``: the positions ``chunk``'s forward runs behind its shared role headers, and those of
-        its header forward (agents x longest header), counted as :meth:`_token_budget_split` counts them."""
+        its header forward (:func:`forward_positions`)."""
         header = header_lengths[chunk]
         rest = samples.prompt_mask[chunk].sum(-1) - header
         reply = samples.response_mask[chunk].sum(-1).max() if samples.response_mask is not None else 0
-        if rest.max() == 0:  # prompts that are only their header run whole rows
-            return int(len(chunk) * (header.max() + reply)), 0
-        return int(len(chunk) * (rest.max() + reply)), int(len(samples.agent[chunk].unique()) * header.max())
+        return forward_positions(len(chunk), int(header.max()), int(rest.max()), int(reply), len(samples.agent[chunk].unique()))
 
     def _header_lengths(self, samples: TurnBatch) -> torch.Tensor | None:
         """``(n,)`` each row's role-header tokens when the forward shares the headers (rows of several agents are
@@ -405,17 +416,11 @@ class PPOTrainer:
         header = header_lengths[chunk].tolist() if shared else [0] * len(prompt)
         agent = samples.agent[chunk].tolist() if shared else [0] * len(prompt)
 
-        def positions(rows: int, longest: tuple[int, int, int], n_headers: int) -> int:
-            h, rest, r = longest  # longest header, longest rest, longest reply
-            if rest == 0:  # prompts that are only their header run whole rows (nothing would follow a shared header)
-                return rows * (h + r)
-            return rows * (rest + r) + n_headers * h
-
-        parts, start, widest, agents = [], 0, (0, 0, 0), set()
+        parts, start, widest, agents = [], 0, (0, 0, 0), set()  # widest: longest header, rest after it, reply
         for i, row in enumerate(zip(header, (p - h for p, h in zip(prompt, header)), reply)):
             wider = tuple(max(a, b) for a, b in zip(widest, row))
             more = agents | {agent[i]}
-            if i > start and positions(i - start + 1, wider, len(more)) > budget:
+            if i > start and sum(forward_positions(i - start + 1, *wider, len(more))) > budget:
                 parts.append(chunk[start:i])
                 start, wider, more = i, row, {agent[i]}
             widest, agents = wider, more
