@@ -42,7 +42,7 @@ class ModelConfig:
     """The base model, the agents' adapters and how they generate."""
 
     model_name_or_path: str = "marft-tiny"
-    """Local Hugging Face model directory or hub name; ``marft-tiny`` builds (once) and uses the embedded tiny model."""
+    """Local Hugging Face model directory or hub name; ``marft-tiny`` builds (once) and uses the embedded tiny model (``marft-tiny-instruct``: its instruct twin; ``marft-small``: the same recipe twice as wide)."""
     profile_path: str = "reasoner_actor"
     """Agent profile: a JSON file or the name of a shipped profile (see ``marft/envs/profiles/``)."""
     n_agents: Optional[int] = None

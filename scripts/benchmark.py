@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     :data:`BENCHMARK_DEFAULTS`; ``--model`` stands for ``--model_name_or_path``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
-    p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, a model folder, 'random' (see --hidden_size), 'qwen2.5-0.5b-shape' or 'qwen2.5-1.5b-shape' "
+    p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, marft-small, a model folder, 'random' (see --hidden_size), 'qwen2.5-0.5b-shape' or 'qwen2.5-1.5b-shape' "
                    "(default: marft-tiny-instruct, whose warm start knows the tags and code, with --workflow orchestrated or --env_name code; else marft-tiny)")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")

@@ -129,3 +129,31 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
         assert reply_text(final).startswith("\\boxed{") and reasoning[-1] == final[-1] == tokenizer.eos_token_id
         told += int(used) == key
     assert 0.1 < told / len(pairs) < 0.5  # the keeper mostly guesses: RL has to teach it to tell
+
+
+def test_marft_small_is_the_tiny_recipe_twice_as_wide():
+    """``--model_name_or_path marft-small``: marft-tiny's recipe with one field changed (hidden 64 -> 128), in a cache
+    folder of its own, so a figure on both tells whether the tiny model's size limits it."""
+    import dataclasses
+
+    from marft.models.loading import embedded_recipe
+
+    small, tiny = embedded_recipe("marft-small"), embedded_recipe("marft-tiny")
+    differs = {f.name for f in dataclasses.fields(TinyRecipe) if getattr(small, f.name) != getattr(tiny, f.name)}
+    assert differs == {"hidden_size"} and (tiny.hidden_size, small.hidden_size) == (64, 128)
+    assert small.name == "marft-small" and small.digest() != tiny.digest()
+
+
+@pytest.mark.slow
+def test_a_recipe_subclass_is_built_as_itself(tmp_path):
+    """The build's child rebuilds the recipe from its class: a ``SmallRecipe`` lands in ``marft-small-<hash>`` with its
+    own sizes and name."""
+    import json
+
+    from marft.models.tiny import SmallRecipe
+
+    recipe = SmallRecipe(**{**QUICK.__dict__, "hidden_size": 48})
+    path = ensure_tiny_model(str(tmp_path), recipe=recipe)
+    assert os.path.basename(path) == f"marft-small-{recipe.digest()}"
+    assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 48
+    assert json.loads(open(os.path.join(path, "marft_recipe.json")).read())["name"] == "marft-small"

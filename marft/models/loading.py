@@ -9,13 +9,13 @@ import torch
 
 from marft.agents.dtypes import TORCH_DTYPES
 from marft.config import ModelConfig
-from marft.models.tiny import TinyRecipe, ensure_tiny_model
+from marft.models.tiny import SmallRecipe, TinyRecipe, ensure_tiny_model
 from marft.models.tiny_instruct import InstructRecipe
 
 logger = logging.getLogger(__name__)
 
-EMBEDDED_RECIPES = {recipe.name: recipe for recipe in (TinyRecipe(), InstructRecipe())}
-"""``--model_name_or_path`` of a shipped embedded model (``marft-tiny``, ``marft-tiny-instruct``) → its recipe."""
+EMBEDDED_RECIPES = {recipe.name: recipe for recipe in (TinyRecipe(), InstructRecipe(), SmallRecipe())}
+"""``--model_name_or_path`` of a shipped embedded model (``marft-tiny``, ``marft-tiny-instruct``, ``marft-small``) → its recipe."""
 
 
 def embedded_recipe(name: str) -> TinyRecipe | None:
