@@ -87,6 +87,12 @@ KL_REFERENCES = {
 }
 """``--kl_reference`` → the KL penalty's reference policy (the one table of references)."""
 
+LR_SCHEDULES = {
+    "constant": "every update at --lr / --critic_lr",
+    "linear": "from --lr / --critic_lr at the first iteration down linearly to 0 after the last (CleanRL's anneal_lr)",
+}
+"""``--lr_schedule`` → how the learning rates move over a run (the one table of schedules)."""
+
 TRAINERS: dict[str, str] = {
     "APPO": "marft.algorithms.appo_trainer:APPOTrainer",
     "TPPO": "marft.algorithms.tppo_trainer:TPPOTrainer",

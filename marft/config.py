@@ -29,6 +29,7 @@ from marft.choices import (
     GENERATION_BACKENDS,
     KL_COEF_DEFAULTS,
     KL_REFERENCES,
+    LR_SCHEDULES,
     NORMALIZATION_MODES,
     ROLLOUT_CORRECTIONS,
     TRAINERS,
@@ -154,6 +155,8 @@ class AlgoConfig:
     """Learning rate of the agents' adapters."""
     critic_lr: float = 1e-3
     """Learning rate of the critic (its adapter and value head)."""
+    lr_schedule: str = "constant"
+    """How the learning rates (--lr, --critic_lr) move over the run: constant, or linear (from their values at the first iteration down to 0 after the last, as CleanRL's anneal_lr and on-policy's use_linear_lr_decay). Advantages are standardised and Adam scales each step to about the learning rate, so at a constant rate the updates stay full-size once the policy is near its optimum; a linear decay lets them shrink. The rate of an iteration depends on that iteration alone, so a resumed run continues the schedule (over the resumed run's iterations in all)."""
     ppo_epoch: int = 2
     """Passes over each rollout batch per update."""
     num_mini_batch: int = 1
@@ -218,6 +221,7 @@ class AlgoConfig:
         check_choice("rollout_correction", self.rollout_correction)
         check_choice("credit_assignment", self.credit_assignment)
         check_choice("kl_reference", self.kl_reference)
+        check_choice("lr_schedule", self.lr_schedule)
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
@@ -362,7 +366,7 @@ SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner"
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES, "rollout_correction": ROLLOUT_CORRECTIONS,
                             "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
                             "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS,
-                            "kl_reference": KL_REFERENCES}
+                            "kl_reference": KL_REFERENCES, "lr_schedule": LR_SCHEDULES}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

@@ -272,6 +272,26 @@ class PPOTrainer:
         return scores.logprobs, scores.entropy
 
     # ------------------------------------------------------------------ update
+    total_iterations: int = 0
+    """Iterations of the whole run, the end of ``--lr_schedule``'s decay (the runner sets it; a resumed run recounts
+    it). 0: unknown, the learning rates stay as configured."""
+
+    def learning_rate_scale(self, iteration: int) -> float:
+        """The factor on ``--lr`` and ``--critic_lr`` at ``iteration`` (0-based) under ``--lr_schedule``: 1 for
+        ``constant``; ``1 - iteration / total_iterations`` for ``linear`` (1 at the first iteration, ``1 / total``
+        at the last)."""
+        if self.config.lr_schedule == "constant" or not self.total_iterations:
+            return 1.0
+        return max(0.0, 1.0 - iteration / self.total_iterations)
+
+    def set_learning_rates(self, iteration: int) -> None:
+        """Every optimizer's learning rate for ``iteration``: its configured rate times :meth:`learning_rate_scale`."""
+        scale = self.learning_rate_scale(iteration)
+        for optimizers, lr in ((self.policy_optimizers, self.config.lr), (self.critic_optimizers, self.config.critic_lr)):
+            for opt in optimizers.values():
+                for group in opt.param_groups:
+                    group["lr"] = lr * scale
+
     def update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
         """The critics' update (:meth:`update_critics`, if any), then one policy update per adapter of the scheduled agents.
 
@@ -284,6 +304,7 @@ class PPOTrainer:
         original MARFT). Equal rewards in a batch whose episodes go on are not skipped: the bootstrapped values
         of the next states still rank the replies. LoRA dropout (``--lora_dropout``) is active here only."""
         self.iteration = iteration
+        self.set_learning_rates(iteration)
         agents = self.agents_to_train(iteration)
         if agents and not self.config.update_on_constant_rewards and not self.informative(buffer):
             self.counters["constant_reward_batches"] += 1

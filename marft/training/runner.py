@@ -96,6 +96,7 @@ class Runner:
         self.env_steps = 0  # all processes together
         self.n_iterations = config.num_iterations
         """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
+        trainer.total_iterations = self.n_iterations  # where --lr_schedule's decay ends
         needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=trainer.group_relative)
         self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
@@ -231,6 +232,7 @@ class Runner:
         # (--n_rollout_threads or --episode_length may have changed).
         self.trainer.schedule_origin = (self.start_iteration, self.env_steps)
         self.n_iterations = self.config.iterations_after(self.start_iteration, self.env_steps)
+        self.trainer.total_iterations = self.n_iterations
         self.last_checkpoint = path
         warm_start = "envs" not in state and self.start_iteration == 0  # scripts/sft.py's checkpoint: RL starts here
         for name, (old, new) in config_changes(saved_config, self.config).items():
