@@ -155,8 +155,8 @@ class AlgoConfig:
     """Learning rate of the agents' adapters."""
     critic_lr: float = 1e-3
     """Learning rate of the critic (its adapter and value head)."""
-    lr_schedule: str = "constant"
-    """How the learning rates (--lr, --critic_lr) move over the run: constant, or linear (from their values at the first iteration down to 0 after the last, as CleanRL's anneal_lr and on-policy's use_linear_lr_decay). Advantages are standardised and Adam scales each step to about the learning rate, so at a constant rate the updates stay full-size once the policy is near its optimum; a linear decay lets them shrink. The rate of an iteration depends on that iteration alone, so a resumed run continues the schedule (over the resumed run's iterations in all)."""
+    lr_schedule: str = "linear"
+    """How the learning rates (--lr, --critic_lr) move over the run: linear (the default: from their values at the first iteration down to 0 after the last, as CleanRL's anneal_lr and on-policy's use_linear_lr_decay) or constant. Advantages are standardised and Adam scales each step to about the learning rate, so at a constant rate the updates stay full-size once the policy is near its optimum and keep its replies' rare slips from dying out; the decay lets them shrink (docs/algorithms.md). The rate of an iteration depends on that iteration and the run's iterations in all (--num_env_steps), so a preempted run resumes exactly; a finished run resumed with a larger --num_env_steps goes on from the rate of its iteration in the longer run."""
     ppo_epoch: int = 2
     """Passes over each rollout batch per update."""
     num_mini_batch: int = 1

@@ -80,6 +80,9 @@ def test_resume_is_exact_with_per_agent_critics_and_a_reference_kl(random_model_
 
 
 def check_resume_is_exact(random_model_dir, tmp_path, extra):
+    """The stopped run is a run of N iterations extended to 2N: constant learning rates, so that its first N steps
+    are those of the 2N run (a linear decay over N would end at 0; tests/test_lr_schedule.py resumes one mid-decay)."""
+    extra = (*extra, "--lr_schedule", "constant")
     one_go, stopped = tmp_path / "one_go", tmp_path / "stopped"
     assert main(flags(random_model_dir, 2 * N, one_go, *extra)) == 0
     assert main(flags(random_model_dir, N, stopped, *extra)) == 0
@@ -159,7 +162,8 @@ def test_flags_that_may_change_are_taken_and_logged(trained_run, tmp_path, caplo
     config = json.loads((run / "config.json").read_text())  # the run directory of the checkpoint is reused
     assert config["algo"]["lr"] == 5e-4 and config["model"]["max_new_tokens"] == 6  # not given: from the checkpoint
     optimizers = torch.load(run / "checkpoints" / f"steps_{N + 1}" / "optimizers.pt", weights_only=True)
-    assert {g["lr"] for opt in optimizers["policy_optimizers"].values() for g in opt["param_groups"]} == {5e-4}
+    rates = {g["lr"] for opt in optimizers["policy_optimizers"].values() for g in opt["param_groups"]}
+    assert rates == {pytest.approx(5e-4 * (1 - N / (N + 1)))}  # the last iteration's rate of the linear decay
 
 
 def test_a_checkpoint_from_before_chat_templates_resumes_with_plain_prompts(trained_run, tmp_path):
@@ -179,21 +183,24 @@ def test_a_checkpoint_from_before_chat_templates_resumes_with_plain_prompts(trai
     assert resume_config(*parse_config(["--load_path", str(checkpoint), "--chat_template", "auto"])).model.chat_template == "auto"
 
 
-def test_a_checkpoint_from_before_the_chunk_budget_resumes_without_one(trained_run, tmp_path):
+@pytest.mark.parametrize("field, saved_value, before, given", [("max_chunk_mib", None, 0, "512"), ("lr_schedule", "linear", "constant", "linear")])
+def test_a_checkpoint_from_before_a_flag_resumes_as_it_ran(trained_run, tmp_path, field, saved_value, before, given):
     """A checkpoint whose config has no ``max_chunk_mib`` ran its update chunks with no budget (unless
-    ``--max_chunk_tokens`` gave one): it resumes so (``0``), unless the flag is given; a new one keeps the default."""
+    ``--max_chunk_tokens`` gave one), one without ``lr_schedule`` at constant learning rates: it resumes so, unless
+    the flag is given; a new one keeps the default."""
     from marft.config import parse_config
     from marft.training.checkpoint import MANIFEST, _write_manifest, resume_config
 
     checkpoint = copy_run(trained_run, tmp_path) / "checkpoints" / f"steps_{N}"
-    assert resume_config(*parse_config(["--load_path", str(checkpoint)])).algo.max_chunk_mib is None  # saved with the flag
+    assert getattr(resume_config(*parse_config(["--load_path", str(checkpoint)])).algo, field) == saved_value  # saved with the flag
     saved = json.loads((checkpoint / "config.json").read_text())
-    del saved["algo"]["max_chunk_mib"]
+    del saved["algo"][field]
     (checkpoint / "config.json").write_text(json.dumps(saved))
     (checkpoint / MANIFEST).unlink()
     _write_manifest(checkpoint)
-    assert resume_config(*parse_config(["--load_path", str(checkpoint)])).algo.max_chunk_mib == 0
-    assert resume_config(*parse_config(["--load_path", str(checkpoint), "--max_chunk_mib", "512"])).algo.max_chunk_mib == 512
+    assert getattr(resume_config(*parse_config(["--load_path", str(checkpoint)])).algo, field) == before
+    given_value = getattr(resume_config(*parse_config(["--load_path", str(checkpoint), f"--{field}", given])).algo, field)
+    assert str(given_value) == given
 
 
 def test_load_path_run_directory_takes_latest_complete_checkpoint(trained_run, tmp_path):

@@ -146,8 +146,8 @@ def test_resume_with_two_processes_is_exact(random_model_dir, tmp_path):
     N = 2
     one_go, stopped = tmp_path / "one_go", tmp_path / "stopped"
     for out, argv in [
-        (tmp_path / "a", flags(random_model_dir, 2 * N, one_go)),
-        (tmp_path / "b", flags(random_model_dir, N, stopped)),
+        (tmp_path / "a", flags(random_model_dir, 2 * N, one_go, "--lr_schedule", "constant")),  # N extended to 2N: no decay over N
+        (tmp_path / "b", flags(random_model_dir, N, stopped, "--lr_schedule", "constant")),
         (tmp_path / "c", ["--load_path", str(stopped), "--num_env_steps", str(E * 2 * N)]),
     ]:
         done = train(out, argv)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from test_checkpoint import E, flags, weights
+from test_checkpoint import E, flags, scalars, weights
 
 from marft.config import AlgoConfig
 from marft.launch import main
@@ -43,6 +43,8 @@ def test_every_optimizer_steps_at_the_scheduled_rate(random_model_dir, tmp_path,
         scale = 1 - (done - 1) / ITERATIONS if schedule == "linear" else 1.0
         rates = saved_rates(run / "checkpoints" / f"steps_{done}")
         assert rates["policy"] == pytest.approx([2e-3 * scale]) and rates["critic"] == pytest.approx([4e-3 * scale]), done
+    logged = sorted(scalars(run)["charts/learning_rate"].items())
+    assert [rate for _, rate in logged] == pytest.approx([2e-3 * (1 - i / ITERATIONS if schedule == "linear" else 1.0) for i in range(ITERATIONS)])
 
 
 def test_the_schedule_changes_what_is_learned(random_model_dir, tmp_path):

@@ -281,10 +281,11 @@ FIXED_FIELDS = {
 """Flags that cannot change on resume: they decide which adapters exist and their shapes (roles are checked too)."""
 NOT_INHERITED = ("load_path", "output_dir")
 """Runner flags never taken from the checkpoint: where to load from and where to write to."""
-BEFORE_THE_FLAG = {"model": {"chat_template": "none"}, "algo": {"kl_coef": 0.0, "max_chunk_mib": 0}}
+BEFORE_THE_FLAG = {"model": {"chat_template": "none"}, "algo": {"kl_coef": 0.0, "max_chunk_mib": 0, "lr_schedule": "constant"}}
 """What a flag meant in checkpoints saved before it existed, when its default now means something else (their prompts
 were plain transcripts; they trained without a KL penalty; their update chunks had no budget unless
---max_chunk_tokens gave one); a flag missing from a checkpoint and not listed here takes today's default."""
+--max_chunk_tokens gave one; their learning rates were constant); a flag missing from a checkpoint and not listed here
+takes today's default."""
 
 
 def resume_config(config, given: set[str]):

@@ -328,6 +328,7 @@ class Runner:
         phase = time.perf_counter()
         metrics = self._update(buffer, iteration)
         stats["charts/update_seconds"] = time.perf_counter() - phase
+        stats["charts/learning_rate"] = self.config.algo.lr * self.trainer.learning_rate_scale(iteration)  # --lr_schedule
         stats["charts/iteration_seconds"] = time.perf_counter() - start
         # 4. log: figures averaged (or summed) over processes, to TensorBoard on rank 0
         self._log_iteration(iteration, stats, metrics)
