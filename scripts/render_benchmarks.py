@@ -44,13 +44,31 @@ figure is in git.
 """
 
 
-def machine_line(run: dict) -> str:
+CALIBRATION_FIELDS = ("calibrate_s", "calibrate_note")
+"""A record's calibration: read once per ``benchmark_suite.py`` run, so rows run one by one differ in it alone."""
+
+
+def run_key(run: dict) -> dict:
+    """What makes two rows' records one table: the run without its calibration reading."""
+    return {key: value for key, value in run.items() if key not in CALIBRATION_FIELDS}
+
+
+def machine_line(runs: list[dict]) -> str:
+    """The table's machine, software, commit and calibration (a range when its rows were recorded one by one)."""
+    run = runs[0]
     m = run["machine"]
     where = f"{m['cpu']}, {m['cores']} cores" + (f", {m['gpu']}" if m.get("gpu") else ", no GPU")
     commit = (run["commit"] or "unknown")[:10] + (" + local changes" if run.get("dirty") else "")
-    calibration = f"{run['calibrate_s']:.2f} s" if run.get("calibrate_s") is not None else "not measured"
-    if run.get("calibrate_note"):
-        calibration += f" ({run['calibrate_note']})"
+    readings = sorted({r["calibrate_s"] for r in runs if r.get("calibrate_s") is not None})
+    if not readings:
+        calibration = "not measured"
+    elif len(readings) == 1:
+        calibration = f"{readings[0]:.2f} s"
+    else:
+        calibration = f"{readings[0]:.2f}–{readings[-1]:.2f} s (read before each row)"
+    notes = sorted({r["calibrate_note"] for r in runs if r.get("calibrate_note")})
+    if notes:
+        calibration += f" ({'; '.join(notes)})"
     return (f"Measured {run['date']} on {where}; Python {m['python']}, torch {m['torch']}; commit `{commit}`; "
             f"calibrate {calibration}.")
 
@@ -73,15 +91,19 @@ def render_suite(name: str, suite: dict, recorded: dict) -> str:
     rows = [r for r in recorded["rows"] if r["label"] in specs]
     seconds_head = "seconds (training)" if suite.get("seconds") else "seconds (whole command)"
     parts = [f"## {suite['title']}\n", " ".join(suite["about"].split()) + "\n"]
-    runs = []
+    groups: list[tuple[dict, list[dict]]] = []  # (run without calibration, its rows), in the rows' order
     for row in rows:
-        if row["run"] not in runs:
-            runs.append(row["run"])
-    for run in runs:
+        key = run_key(row["run"])
+        group = next((members for k, members in groups if k == key), None)
+        if group is None:
+            groups.append((key, [row]))
+        else:
+            group.append(row)
+    for _, members in groups:
         lines = [f"| | command | result | {seconds_head} |", "|---|---|---|---|"]
         lines += [f"| {row['label']} | `{row['command']}` | {figure(row, suite, specs[row['label']])} | {seconds(row, suite)} |"
-                  for row in rows if row["run"] == run]
-        parts.append(machine_line(run) + "\n\n" + "\n".join(lines) + "\n")
+                  for row in members]
+        parts.append(machine_line([row["run"] for row in members]) + "\n\n" + "\n".join(lines) + "\n")
     missing = [label for label in specs if label not in {r["label"] for r in rows}]
     if missing:
         parts.append(f"Not measured yet: {'; '.join(missing)}.\n")

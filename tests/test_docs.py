@@ -57,6 +57,18 @@ def test_the_benchmarks_page_and_readme_table_are_generated_from_the_recorded_re
         "README.md's results table is out of date: python scripts/render_benchmarks.py")
 
 
+def test_rows_recorded_one_by_one_share_a_table_with_their_calibration_range():
+    """Rows whose records differ only in the calibration read before each one form one table; another commit, another."""
+    run = {"date": "2026-11-27", "machine": {"cpu": "CPU", "cores": 2, "gpu": None, "python": "3.11", "torch": "2"}, "commit": "a" * 40,
+           "dirty": False}
+    suite = {"title": "T", "about": "A", "figure": "{x}", "rows": [{"label": f"r{i}", "command": f"c{i}"} for i in range(3)]}
+    recorded = {"rows": [{"label": "r0", "command": "c0", "command_seconds": 1.0, "result": {"x": 0}, "run": {**run, "calibrate_s": 0.9}},
+                         {"label": "r1", "command": "c1", "command_seconds": 1.0, "result": {"x": 1}, "run": {**run, "calibrate_s": 0.7}},
+                         {"label": "r2", "command": "c2", "command_seconds": 1.0, "result": {"x": 2}, "run": {**run, "commit": "b" * 40, "calibrate_s": 0.8}}]}
+    page = render_benchmarks.render_suite("t", suite, recorded)
+    assert page.count("| | command |") == 2 and "calibrate 0.70–0.90 s (read before each row)" in page and "calibrate 0.80 s." in page
+
+
 def test_every_readme_figure_has_its_command_on_the_benchmarks_page():
     table = render_benchmarks.readme_table()
     page = (ROOT / "docs" / "benchmarks.md").read_text()
