@@ -245,9 +245,8 @@ class RunnerConfig:
     episode_length: int = 2
     """Team steps collected from every environment per training iteration."""
     num_env_steps: int = 16384
-    """Total environment steps (threads x steps) to train for. The default, 512 iterations of 16 envs x 2 steps, is
-    what the quick start's math team needs to end its learning-rate decay near its plateau (at 256 iterations its
-    training accuracy was still rising; docs/benchmarks.md)."""
+    """Total environment steps (threads x steps) to train for. The default is 512 iterations of 16 envs x 2 steps, the
+    length the quick start's math team needs to reach its plateau with the learning rates' decay (docs/algorithms.md)."""
     seed: int = 0
     """Seed of torch, numpy, python and the environments."""
     output_dir: Optional[str] = None

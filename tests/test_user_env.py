@@ -256,8 +256,8 @@ def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_pat
     agrees on one digit scores 0.5), trained exactly as the guide says: format-only demonstrations, then RL from the
     warm start for --num_env_steps 19200. The team must read the condition: well above the 0.5 of a team that ignores
     it, on the training rounds and on the held-out ones (issue 29: it stalled at 0.5 when the recipe stopped at 6400
-    steps, or without the KL). Seeds 0-4 of this recipe end at 0.92-0.98 held-out, 0.94-0.98 on the training rounds
-    (docs/environments.md; at constant learning rates 0.745-0.94 and 0.825-0.94)."""
+    steps, or without the KL). The five-seed figures of this recipe are in
+    docs/environments.md."""
     from marft.cli.sft import main as sft_main
     from marft.trained.evaluate import evaluate
 
