@@ -17,7 +17,7 @@ from marft.algorithms.appo_trainer import APPOTrainer
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.launch import train
 
-ITERATIONS = 64
+ITERATIONS = 128
 N_ENVS = 16
 EPISODE_LENGTH = 2
 WINDOW = 8
