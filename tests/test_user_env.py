@@ -250,24 +250,37 @@ def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_p
     assert summary["accuracy_before"] <= 0.3 and summary["accuracy_after"] >= 0.7, summary
 
 
+PARITY_SEEDS = (0, 1, 2)
+"""Seeds of the guide's ParityDigitEnv recipe; at least ``PARITY_SEEDS_LEARNING`` of them must learn the condition."""
+PARITY_SEEDS_LEARNING = 2
+
+
 @pytest.mark.slow
 def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_path, user_package):
     """The guide's ParityDigitEnv (the round asks for an even or an odd digit; a team that ignores the condition and
     agrees on one digit scores 0.5), trained exactly as the guide says: format-only demonstrations, then RL from the
-    warm start for --num_env_steps 19200. The team must read the condition: well above the 0.5 of a team that ignores
-    it, on the training rounds and on the held-out ones (issue 29: it stalled at 0.5 when the recipe stopped at 6400
-    steps, or without the KL). The five-seed figures of this recipe are in
-    docs/environments.md."""
+    warm start for --num_env_steps 19200, ``--seed S`` on both. The team must read the condition: well above the 0.5
+    of a team that ignores it, on the training rounds and on the held-out ones (issue 29: it stalled at 0.5 when the
+    recipe stopped at 6400 steps, or without the KL). Not every random stream leaves the 0.5 plateau within the run
+    (the guide says so, with its seeds), so the check asks it of two of three seeds, and stops once two have."""
     from marft.cli.sft import main as sft_main
     from marft.trained.evaluate import evaluate
 
     blocks = readme_python_blocks()
     agree = next(b for b in blocks if "class AgreeDigitEnv" in b)
     (user_package / "my_envs" / "agree.py").write_text(agree + "\n\n" + next(b for b in blocks if "class ParityDigitEnv" in b))
-    sft, rl = tmp_path / "parity_sft", tmp_path / "parity_rl"
-    assert sft_main(["--env_name", "my_envs.agree:ParityDigitEnv", "--profile_path", "reasoner_actor_anonymous", "--n_rollout_threads", "32",
-                     "--episode_length", "1", "--sft_steps", "200", "--output_dir", str(sft)]) == 0
-    assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", "19200", "--output_dir", str(rl)]) == 0
-    summary = json.loads((rl / "summary.json").read_text())
-    trained = evaluate(load_path=rl, split="train", output_dir=tmp_path / "eval_train", progress=False)
-    assert summary["accuracy_before"] <= 0.2 and summary["accuracy_after"] >= 0.7 and trained["accuracy"] >= 0.8, (summary, trained["accuracy"])
+    results = {}
+    for seed in PARITY_SEEDS:
+        sft, rl = tmp_path / f"parity_sft_{seed}", tmp_path / f"parity_rl_{seed}"
+        assert sft_main(["--env_name", "my_envs.agree:ParityDigitEnv", "--profile_path", "reasoner_actor_anonymous", "--n_rollout_threads", "32",
+                         "--episode_length", "1", "--sft_steps", "200", "--output_dir", str(sft), "--seed", str(seed)]) == 0
+        assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", "19200", "--output_dir", str(rl),
+                     "--seed", str(seed)]) == 0
+        summary = json.loads((rl / "summary.json").read_text())
+        assert summary["accuracy_before"] <= 0.2, summary  # the warm start teaches the format only
+        trained = evaluate(load_path=rl, split="train", output_dir=tmp_path / f"eval_train_{seed}", progress=False)
+        results[seed] = (summary["accuracy_after"], trained["accuracy"])
+        if sum(held_out >= 0.7 and train >= 0.8 for held_out, train in results.values()) >= PARITY_SEEDS_LEARNING:
+            return
+    pytest.fail(f"fewer than {PARITY_SEEDS_LEARNING} of seeds {PARITY_SEEDS} learned the condition "
+                f"(held-out >= 0.7 and training rounds >= 0.8): {results}")
