@@ -90,7 +90,6 @@ KL_REFERENCES = {
 LR_SCHEDULES = {
     "constant": "every update at --lr / --critic_lr",
     "linear": "from --lr / --critic_lr at the first iteration down linearly to 0 after the last (CleanRL's anneal_lr)",
-    "hold_linear": "--lr / --critic_lr for the first half of the run, then down linearly to 0 after the last iteration",
 }
 """``--lr_schedule`` → how the learning rates move over a run (the one table of schedules)."""
 

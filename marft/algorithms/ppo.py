@@ -279,11 +279,10 @@ class PPOTrainer:
     def learning_rate_scale(self, iteration: int) -> float:
         """The factor on ``--lr`` and ``--critic_lr`` at ``iteration`` (0-based) under ``--lr_schedule``: 1 for
         ``constant``; ``1 - iteration / total_iterations`` for ``linear`` (1 at the first iteration, ``1 / total``
-        at the last); for ``hold_linear`` twice that, capped at 1 (1 for the first half, ``2 / total`` at the last)."""
+        at the last)."""
         if self.config.lr_schedule == "constant" or not self.total_iterations:
             return 1.0
-        left = max(0.0, 1.0 - iteration / self.total_iterations)
-        return min(1.0, 2.0 * left) if self.config.lr_schedule == "hold_linear" else left
+        return max(0.0, 1.0 - iteration / self.total_iterations)
 
     def set_learning_rates(self, iteration: int) -> None:
         """Every optimizer's learning rate for ``iteration``: its configured rate times :meth:`learning_rate_scale`."""
