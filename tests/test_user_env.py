@@ -259,9 +259,10 @@ PARITY_SEEDS_LEARNING = 2
 def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_path, user_package):
     """The guide's ParityDigitEnv (the round asks for an even or an odd digit; a team that ignores the condition and
     agrees on one digit scores 0.5), trained exactly as the guide says: format-only demonstrations, then RL from the
-    warm start for --num_env_steps 19200, ``--seed S`` on both. The team must read the condition: well above the 0.5
-    of a team that ignores it, on the training rounds and on the held-out ones (issue 29: it stalled at 0.5 when the
-    recipe stopped at 6400 steps, or without the KL). Not every random stream leaves the 0.5 plateau within the run
+    warm start with --n_rollout_threads 64 --num_env_steps 38400 (600 iterations of 64 episodes), ``--seed S`` on
+    both. The team must read the condition: well above the 0.5 of a team that ignores it, on the training rounds and
+    on the held-out ones (issue 29: it stalled at 0.5 when the recipe stopped at 6400 steps, without the KL, or, on
+    some random streams, with 32 episodes per iteration). Not every random stream leaves the 0.5 plateau within the run
     (the guide says so, with its seeds), so the check asks it of two of three seeds, and stops once two have."""
     from marft.cli.sft import main as sft_main
     from marft.trained.evaluate import evaluate
@@ -274,7 +275,7 @@ def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_pat
         sft, rl = tmp_path / f"parity_sft_{seed}", tmp_path / f"parity_rl_{seed}"
         assert sft_main(["--env_name", "my_envs.agree:ParityDigitEnv", "--profile_path", "reasoner_actor_anonymous", "--n_rollout_threads", "32",
                          "--episode_length", "1", "--sft_steps", "200", "--output_dir", str(sft), "--seed", str(seed)]) == 0
-        assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", "19200", "--output_dir", str(rl),
+        assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--n_rollout_threads", "64", "--num_env_steps", "38400", "--output_dir", str(rl),
                      "--seed", str(seed)]) == 0
         summary = json.loads((rl / "summary.json").read_text())
         assert summary["accuracy_before"] <= 0.2, summary  # the warm start teaches the format only
