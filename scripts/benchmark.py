@@ -14,7 +14,8 @@
   the test split (``success_*``: (key, number) pairs never trained on) and on fresh episodes of the
   training tasks (``train_tasks_success_*``), and the wall time of training with its evaluations. It
   writes ``learning_curve.png`` (success rate, return, per-role entropy and clip fraction, zero-advantage share
-  per iteration) next to the TensorBoard logs.
+  per iteration) next to the TensorBoard logs, and gives the curve in numbers as ``curve`` (per
+  ``--eval_interval`` iterations: mean training success, held-out success at the block's end, each role's entropy).
   With ``--algorithm_name GRPO`` it plays 8 groups of ``--group_size`` envs (32 at group size 4) for the same
   384 iterations: each update holds 16 groups (2 rounds of 8), each of one task. With 16 envs (4 groups of 4,
   8 tasks per update) GRPO reached 0.795 on seed 0 (0.825 with twice the iterations).
@@ -177,6 +178,47 @@ def emit(result: dict) -> dict:
 # ---------------------------------------------------------------------------- learning
 
 
+def read_scalars(log_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """Every scalar of a run's TensorBoard logs: ``{tag: (iterations, values)}``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: ([p.step for p in events.Scalars(tag)], [p.value for p in events.Scalars(tag)])
+            for tag in events.Tags()["scalars"]}
+
+
+def role_tags(scalars: dict, name: str) -> dict[str, str]:
+    """``losses/agent_<role>/<name>`` tags by role."""
+    return {tag.split("/")[1].removeprefix("agent_"): tag for tag in sorted(scalars)
+            if tag.startswith("losses/agent_") and tag.endswith("/" + name)}
+
+
+def learning_curve_summary(log_dir: Path, block: int) -> list[dict]:
+    """The learning curve in numbers, one entry per ``block`` iterations (the evaluation interval): the mean
+    training success of its iterations, the held-out success evaluated at its last iteration (None when there was
+    no evaluation then), and each role's mean token entropy (nats), so a table can show what the picture shows."""
+    scalars = read_scalars(log_dir)
+    steps, success = scalars.get("charts/accuracy", ([], []))
+    held_out = dict(zip(*scalars.get("eval/accuracy", ([], []))))
+    entropies = {role: dict(zip(*scalars[tag])) for role, tag in role_tags(scalars, "entropy").items()}
+    by_iteration = dict(zip(steps, success))
+    summary = []
+    for first in range(1, max(steps, default=0) + 1, block):
+        iterations = [i for i in range(first, first + block) if i in by_iteration]
+        if not iterations:
+            continue
+        last = iterations[-1]
+        summary.append({
+            "iterations": [first, last],
+            "success": round(statistics.fmean(by_iteration[i] for i in iterations), 3),
+            "held_out": round(held_out[last], 3) if last in held_out else None,
+            "entropy": {role: round(statistics.fmean(v[i] for i in iterations if i in v), 3)
+                        for role, v in entropies.items() if any(i in v for i in iterations)},
+        })
+    return summary
+
+
 def plot_learning_curve(log_dir: Path) -> Path | None:
     """The learning curve from the TensorBoard logs → PNG, four panels over iterations: success rate (training
     episodes and held-out evaluations), team return, each role's mean token entropy (a collapse to ~0 before
@@ -186,18 +228,11 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    events.Reload()
-    tags = set(events.Tags()["scalars"])
+    scalars = read_scalars(log_dir)
 
     def series(tag):
-        points = events.Scalars(tag) if tag in tags else []
-        return [p.step for p in points], [p.value for p in points]
-
-    def per_role(name):  # losses/agent_<role>/<name> -> {role: tag}
-        return {tag.split("/")[1].removeprefix("agent_"): tag for tag in sorted(tags) if tag.startswith("losses/agent_") and tag.endswith("/" + name)}
+        return scalars.get(tag, ([], []))
 
     fig, ((ax_success, ax_return), (ax_entropy, ax_clip)) = plt.subplots(2, 2, figsize=(11, 7.5))
     ax_success.plot(*series("charts/accuracy"), label="training episodes")
@@ -208,11 +243,11 @@ def plot_learning_curve(log_dir: Path) -> Path | None:
     ax_return.plot(*series("eval/return"), "o--", label="held-out evaluation")
     ax_return.set(xlabel="iteration", ylabel="team return", title="Episode return")
     ax_return.legend()
-    for role, tag in per_role("entropy").items():
+    for role, tag in role_tags(scalars, "entropy").items():
         ax_entropy.plot(*series(tag), label=role)
     ax_entropy.set(xlabel="iteration", ylabel="mean token entropy (nats)", title="Policy entropy per role")
     ax_entropy.legend()
-    for role, tag in per_role("clip_frac").items():
+    for role, tag in role_tags(scalars, "clip_frac").items():
         ax_clip.plot(*series(tag), label=f"clip fraction, {role}")
     ax_clip.plot(*series("charts/zero_advantage_share"), ":", label="turns with zero advantage")
     ax_clip.set(xlabel="iteration", ylabel="share", ylim=(-0.02, 1.02), title="Clipped ratios and zero advantages")
@@ -290,7 +325,9 @@ def bench_learning(args) -> dict:
     seconds = time.perf_counter() - start
     train_tasks_after = runner.evaluate(make_env=make_train_env)
     print(f"training tasks, fresh episodes: success {train_tasks_before['accuracy']:.3f} -> {train_tasks_after['accuracy']:.3f}", flush=True)
-    plot = plot_learning_curve(Path(args.output_dir) / "logs") if runner.dist.is_main else None  # rank 0 wrote the logs
+    log_dir = Path(args.output_dir) / "logs"
+    plot = plot_learning_curve(log_dir) if runner.dist.is_main else None  # rank 0 wrote the logs
+    curve = learning_curve_summary(log_dir, args.eval_interval or max(1, summary["iterations"] // 10)) if runner.dist.is_main else None
     print(f"learning curve: {plot}", flush=True)
     return emit({
         "bench": "learning",
@@ -313,6 +350,7 @@ def bench_learning(args) -> dict:
         "seed": args.seed,
         "run_dir": args.output_dir,
         "plot": str(plot),
+        "curve": curve,
     })
 
 

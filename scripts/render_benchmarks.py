@@ -86,6 +86,31 @@ def seconds(row: dict, suite: dict) -> str:
     return f"{row['result'][field]:.0f}" if field else f"{row['command_seconds']:.0f}"
 
 
+def curve_table(rows: list[dict]) -> str:
+    """The learning curves in numbers (``curve`` of ``scripts/benchmark.py learning``'s JSON) of the rows that have
+    one: per block of iterations, the mean training success, the held-out success at the block's end and each
+    role's mean token entropy."""
+    rows = [row for row in rows if row["result"].get("curve")]
+    if not rows:
+        return ""
+
+    def numbers(values) -> str:
+        return " · ".join("–" if v is None else f"{v:.2f}" for v in values)
+
+    lines = ["Learning curves in numbers, one figure per block of iterations (the evaluation interval), in order: the "
+             "training episodes' mean success, the held-out success at the block's last iteration, and each role's "
+             "mean token entropy (nats).\n",
+             "| | iterations per block | training success | held-out | entropy |", "|---|---|---|---|---|"]
+    for row in rows:
+        curve = row["result"]["curve"]
+        first, last = curve[0]["iterations"]
+        roles = list(dict.fromkeys(role for block in curve for role in block["entropy"]))
+        entropy = "; ".join(f"{role}: {numbers(block['entropy'].get(role) for block in curve)}" for role in roles)
+        lines.append(f"| {row['label']} | {last - first + 1} | {numbers(b['success'] for b in curve)} | "
+                     f"{numbers(b['held_out'] for b in curve)} | {entropy} |")
+    return "\n".join(lines) + "\n"
+
+
 def render_suite(name: str, suite: dict, recorded: dict) -> str:
     specs = {r["label"]: r for r in suite["rows"]}
     rows = [r for r in recorded["rows"] if r["label"] in specs]
@@ -104,6 +129,9 @@ def render_suite(name: str, suite: dict, recorded: dict) -> str:
         lines += [f"| {row['label']} | `{row['command']}` | {figure(row, suite, specs[row['label']])} | {seconds(row, suite)} |"
                   for row in members]
         parts.append(machine_line([row["run"] for row in members]) + "\n\n" + "\n".join(lines) + "\n")
+    curves = curve_table(rows)
+    if curves:
+        parts.append(curves)
     missing = [label for label in specs if label not in {r["label"] for r in rows}]
     if missing:
         parts.append(f"Not measured yet: {'; '.join(missing)}.\n")

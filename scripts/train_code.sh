@@ -6,10 +6,10 @@
 # Each of those three defaults applies only when its flag is not given, and none on resume (--load_path keeps the
 # checkpoint's). The first call installs everything into ./.venv (scripts/setup.sh); set PYTHON to use another interpreter.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"  # the checkout; the run stays where it is called from (relative paths are the caller's)
 if [[ -z "${PYTHON:-}" ]]; then
-  [[ -x .venv/bin/python ]] || bash scripts/setup.sh
-  PYTHON=.venv/bin/python
+  [[ -x "$root/.venv/bin/python" ]] || bash "$root/scripts/setup.sh"
+  PYTHON="$root/.venv/bin/python"
 fi
 given() { local arg; for arg in "${@:2}"; do [[ "$arg" == "$1" || "$arg" == "$1="* ]] && return 0; done; return 1; }
 defaults=()
@@ -18,4 +18,4 @@ if ! given --load_path "$@"; then
   given --profile_path "$@" || defaults+=(--profile_path reasoner_actor_code)
   given --max_new_tokens "$@" || defaults+=(--max_new_tokens 24)
 fi
-exec "$PYTHON" scripts/train_math.py --env_name code "${defaults[@]}" "$@"
+exec "$PYTHON" "$root/scripts/train_math.py" --env_name code "${defaults[@]}" "$@"

@@ -4,9 +4,9 @@
 # With no flags: the embedded tiny model, a 2-agent Reasoner -> Actor team, generated arithmetic, CPU.
 # The first call installs everything into ./.venv (scripts/setup.sh); set PYTHON to use another interpreter.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root="$(cd "$(dirname "$0")/.." && pwd)"  # the checkout; the run stays where it is called from (relative paths are the caller's)
 if [[ -z "${PYTHON:-}" ]]; then
-  [[ -x .venv/bin/python ]] || bash scripts/setup.sh
-  PYTHON=.venv/bin/python
+  [[ -x "$root/.venv/bin/python" ]] || bash "$root/scripts/setup.sh"
+  PYTHON="$root/.venv/bin/python"
 fi
-exec "$PYTHON" scripts/train_math.py "$@"
+exec "$PYTHON" "$root/scripts/train_math.py" "$@"

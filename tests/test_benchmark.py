@@ -30,6 +30,33 @@ def test_learning_bench_writes_figures_and_a_plot(random_model_dir, tmp_path, al
         assert 0 <= result[key] <= 1, key
     assert result["seconds"] > 0
     assert (out / "logs" / "learning_curve.png").stat().st_size > 0
+    assert [block["iterations"] for block in result["curve"]] == [[1, 1], [2, 2]]  # no --eval_interval: blocks of 1 here
+
+
+def test_learning_curve_summary_matches_the_logged_scalars(tmp_path):
+    """The numbers behind the benchmarks page's learning curves, against a hand computation from known scalars."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from benchmark import learning_curve_summary
+
+    success = {1: 0.0, 2: 0.5, 3: 1.0, 4: 0.25, 5: 0.75}
+    entropy_a = {i: 0.1 * i for i in success}
+    entropy_b = {1: 0.4, 2: 0.2, 4: 0.3}  # a role that did not act in every iteration
+    with SummaryWriter(str(tmp_path)) as writer:
+        for i in success:
+            writer.add_scalar("charts/accuracy", success[i], i)
+            writer.add_scalar("losses/agent_Player A/entropy", entropy_a[i], i)
+            if i in entropy_b:
+                writer.add_scalar("losses/agent_Player B/entropy", entropy_b[i], i)
+        for i, held_out in ((0, 0.1), (3, 0.6), (5, 0.9)):
+            writer.add_scalar("eval/accuracy", held_out, i)
+    curve = learning_curve_summary(tmp_path, block=3)
+    assert curve == [
+        {"iterations": [1, 3], "success": 0.5, "held_out": 0.6, "entropy": {"Player A": 0.2, "Player B": 0.3}},
+        {"iterations": [4, 5], "success": 0.5, "held_out": 0.9, "entropy": {"Player A": 0.45, "Player B": 0.3}},
+    ]
+    assert learning_curve_summary(tmp_path, block=2)[0]["held_out"] is None  # no evaluation at iteration 2
 
 
 @pytest.mark.slow

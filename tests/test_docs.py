@@ -69,6 +69,19 @@ def test_rows_recorded_one_by_one_share_a_table_with_their_calibration_range():
     assert page.count("| | command |") == 2 and "calibrate 0.70–0.90 s (read before each row)" in page and "calibrate 0.80 s." in page
 
 
+def test_rows_with_a_learning_curve_get_its_numbers_under_their_table():
+    run = {"date": "2026-11-27", "machine": {"cpu": "CPU", "cores": 2, "gpu": None, "python": "3.11", "torch": "2"}, "commit": "a" * 40,
+           "dirty": False, "calibrate_s": 0.6}
+    curve = [{"iterations": [1, 25], "success": 0.41, "held_out": None, "entropy": {"Player": 0.371}},
+             {"iterations": [26, 50], "success": 0.525, "held_out": 0.6, "entropy": {"Player": 0.3}}]
+    suite = {"title": "T", "about": "A", "figure": "{x}", "rows": [{"label": f"r{i}", "command": f"c{i}"} for i in range(2)]}
+    recorded = {"rows": [{"label": "r0", "command": "c0", "command_seconds": 1.0, "result": {"x": 0, "curve": curve}, "run": run},
+                         {"label": "r1", "command": "c1", "command_seconds": 1.0, "result": {"x": 1}, "run": run}]}
+    page = render_benchmarks.render_suite("t", suite, recorded)
+    assert "| r0 | 25 | 0.41 · 0.53 | – · 0.60 | Player: 0.37 · 0.30 |" in page  # two decimals
+    assert "| r1 | " not in page.split("Learning curves in numbers")[1]  # a row without a curve gets no line
+
+
 def test_every_readme_figure_has_its_command_on_the_benchmarks_page():
     table = render_benchmarks.readme_table()
     page = (ROOT / "docs" / "benchmarks.md").read_text()

@@ -66,16 +66,17 @@ def test_rows_without_answer_are_skipped_and_counted(tmp_path, caplog):
 
 @pytest.mark.slow
 def test_train_math_sh_smoke_run(random_model_dir, tmp_path):
-    """The shell entry point end to end with tiny settings, both algorithms share it."""
+    """The shell entry point end to end with tiny settings, both algorithms share it; called from another folder, its
+    relative paths are that folder's (the run lands there, not in the checkout)."""
     out = tmp_path / "run"
     env = {**os.environ, "PYTHON": sys.executable}
     cmd = [
         "bash", str(ROOT / "scripts" / "train_math.sh"),
         "--model_name_or_path", random_model_dir, "--n_rollout_threads", "2", "--episode_length", "1",
         "--num_env_steps", "4", "--max_new_tokens", "4", "--context_window", "96", "--eval_episodes", "4",
-        "--output_dir", str(out), "--save_interval", "1",
+        "--output_dir", "run", "--save_interval", "1",
     ]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "held-out accuracy before training" in result.stdout and "held-out accuracy after training" in result.stdout
     summary = json.loads((out / "summary.json").read_text())
