@@ -89,7 +89,10 @@ def load_benchmark_module():
 def test_default_budgets_are_iterations_and_grpo_learns_on_more_groups():
     bench = load_benchmark_module()
     appo = bench.parse_args(["learning"])
-    assert (appo.n_rollout_threads, appo.num_env_steps) == (16, 384 * 16 * 2)  # 12288, as before
+    assert (appo.n_rollout_threads, appo.num_env_steps) == (32, 384 * 32 * 2)  # what the benchmarks page's seeds ran
+    assert bench.parse_args(["learning", "--algorithm_name", "TPPO"]).n_rollout_threads == 32
+    assert bench.parse_args(["learning", "--workflow", "orchestrated"]).n_rollout_threads == 16  # route: its recorded runs
+    assert bench.parse_args(["iteration"]).n_rollout_threads == 16  # timings keep their size
     grpo = bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "4"])
     assert (grpo.n_rollout_threads, grpo.num_env_steps) == (32, 384 * 32 * 2)  # 8 groups of 4, same 384 iterations
     assert bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "2"]).n_rollout_threads == 16
