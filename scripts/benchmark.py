@@ -191,8 +191,8 @@ def read_scalars(log_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
 
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
-    return {tag: ([p.step for p in events.Scalars(tag)], [p.value for p in events.Scalars(tag)])
-            for tag in events.Tags()["scalars"]}
+    points = {tag: events.Scalars(tag) for tag in events.Tags()["scalars"]}
+    return {tag: ([p.step for p in ps], [p.value for p in ps]) for tag, ps in points.items()}
 
 
 def role_tags(scalars: dict, name: str) -> dict[str, str]:
