@@ -73,9 +73,8 @@ GRPO_LEARNING_GROUPS = 8
 """Groups (tasks) per round in ``learning`` with GRPO: fewer tasks per update (4 groups of 4) learn far less
 steadily over seeds (docs/benchmarks.md)."""
 RELAY_LEARNING_ENVS = 32
-"""Envs per iteration in ``learning`` on ``relay_sum`` with MARFT-A or MARFT-T: with 16 (the other benches' default), one
-update holds half the episodes (when issue 29 was filed, MARFT-A's seeds 0-2 ended at 0.94, 0.67 and 0.84 with 16);
-the benchmarks page's five seeds of each ran with 32."""
+"""Envs per iteration in ``learning`` on ``relay_sum`` with MARFT-A or MARFT-T: 16 (the other benches' default) puts
+half the episodes into each update and leaves some seeds short of the optimum (docs/benchmarks.md)."""
 
 PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solver_reflector_verifier"}
 """The shipped profile used for each ``--n_agents``."""
