@@ -157,6 +157,8 @@ class AlgoConfig:
     """Learning rate of the critic (its adapter and value head)."""
     lr_schedule: str = "linear"
     """How the learning rates (--lr, --critic_lr) move over the run: linear (the default: from their values at the first iteration down to 0 after the last, as CleanRL's anneal_lr and on-policy's use_linear_lr_decay) or constant. Advantages are standardised and Adam scales each step to about the learning rate, so at a constant rate the updates stay full-size once the policy is near its optimum and keep its replies' rare slips from dying out; the decay lets them shrink (docs/algorithms.md). The rate of an iteration depends on that iteration and the run's iterations in all (--num_env_steps), so a preempted run resumes exactly; a finished run resumed with a larger --num_env_steps goes on from the rate of its iteration in the longer run."""
+    lr_warmup_iterations: int = 0
+    """Raise the learning rates (--lr, --critic_lr) linearly over this many first iterations (iteration i at (i + 1) / this of --lr_schedule's rate), as TRL's warmup_steps and verl's lr_warmup_steps. A fresh Adam's first steps move every weight by about the full rate whatever its gradient's size (its second-moment estimate has only those steps' gradients in it); from a sharp warm start (a supervised --load_path) one such step can move the policy by nats per reply, well past PPO's clip, before the clip or the KL penalty can act (docs/algorithms.md). 0 (the default): the full rate from the first iteration."""
     ppo_epoch: int = 2
     """Passes over each rollout batch per update."""
     num_mini_batch: int = 1
@@ -222,6 +224,8 @@ class AlgoConfig:
         check_choice("credit_assignment", self.credit_assignment)
         check_choice("kl_reference", self.kl_reference)
         check_choice("lr_schedule", self.lr_schedule)
+        if self.lr_warmup_iterations < 0:
+            raise ValueError(f"--lr_warmup_iterations {self.lr_warmup_iterations}: give 0 (no warm-up) or more iterations")
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "

@@ -32,19 +32,31 @@ def test_an_unknown_schedule_is_a_clear_error():
         AlgoConfig(lr_schedule="cosine")
 
 
-@pytest.mark.parametrize("schedule", ["constant", "linear"])
-def test_every_optimizer_steps_at_the_scheduled_rate(random_model_dir, tmp_path, schedule):
+def expected_scale(schedule: str, warmup: int, i: int) -> float:
+    """The factor on the configured rates at iteration ``i`` (0-based) of ``ITERATIONS``, written out."""
+    decay = 1 - i / ITERATIONS if schedule == "linear" else 1.0
+    return decay * (min(1.0, (i + 1) / warmup) if warmup else 1.0)
+
+
+@pytest.mark.parametrize("schedule, warmup", [("constant", 0), ("linear", 0), ("linear", 3), ("constant", 2)])
+def test_every_optimizer_steps_at_the_scheduled_rate(random_model_dir, tmp_path, schedule, warmup):
     """Iteration i (0-based) of n steps the agents' and the critic's optimizers at their rate x (1 - i / n) under
-    linear, x 1 under constant; the decayed run ends elsewhere than the constant one (the schedule is applied)."""
-    run = tmp_path / schedule
+    linear, x 1 under constant, times (i + 1) / w during --lr_warmup_iterations w; the decayed run ends elsewhere than
+    the constant one (the schedule is applied)."""
+    run = tmp_path / f"{schedule}_{warmup}"
     assert main(flags(random_model_dir, ITERATIONS, run, "--lr_schedule", schedule, "--lr", "2e-3", "--critic_lr", "4e-3",
-                      "--save_interval", "1", "--keep_checkpoints", str(ITERATIONS))) == 0
+                      "--lr_warmup_iterations", str(warmup), "--save_interval", "1", "--keep_checkpoints", str(ITERATIONS))) == 0
     for done in range(1, ITERATIONS + 1):
-        scale = 1 - (done - 1) / ITERATIONS if schedule == "linear" else 1.0
+        scale = expected_scale(schedule, warmup, done - 1)
         rates = saved_rates(run / "checkpoints" / f"steps_{done}")
         assert rates["policy"] == pytest.approx([2e-3 * scale]) and rates["critic"] == pytest.approx([4e-3 * scale]), done
     logged = sorted(scalars(run)["charts/learning_rate"].items())
-    assert [rate for _, rate in logged] == pytest.approx([2e-3 * (1 - i / ITERATIONS if schedule == "linear" else 1.0) for i in range(ITERATIONS)])
+    assert [rate for _, rate in logged] == pytest.approx([2e-3 * expected_scale(schedule, warmup, i) for i in range(ITERATIONS)])
+
+
+def test_a_negative_warmup_is_a_clear_error():
+    with pytest.raises(ValueError, match="lr_warmup_iterations -1"):
+        AlgoConfig(lr_warmup_iterations=-1)
 
 
 def test_the_schedule_changes_what_is_learned(random_model_dir, tmp_path):
