@@ -82,8 +82,10 @@ def figure(row: dict, suite: dict, spec: dict) -> str:
 
 
 def seconds(row: dict, suite: dict) -> str:
+    """The row's seconds, or "–" where its run had none to give (a run stopped and resumed by another command)."""
     field = suite.get("seconds")
-    return f"{row['result'][field]:.0f}" if field else f"{row['command_seconds']:.0f}"
+    value = row["result"][field] if field else row["command_seconds"]
+    return "–" if value is None else f"{value:.0f}"
 
 
 def curve_table(rows: list[dict]) -> str:

@@ -82,6 +82,13 @@ def test_rows_with_a_learning_curve_get_its_numbers_under_their_table():
     assert "| r1 | " not in page.split("Learning curves in numbers")[1]  # a row without a curve gets no line
 
 
+def test_a_row_without_seconds_shows_a_dash_not_an_error():
+    """A run stopped and resumed by another command has no seconds of its own to show: the table says "–"."""
+    suite = {"title": "T", "about": "A", "figure": "{x}", "seconds": "seconds", "rows": []}
+    assert render_benchmarks.seconds({"result": {"x": 0, "seconds": None}}, suite) == "–"
+    assert render_benchmarks.seconds({"result": {"x": 0, "seconds": 12.4}}, suite) == "12"
+
+
 def test_every_readme_figure_has_its_command_on_the_benchmarks_page():
     table = render_benchmarks.readme_table()
     page = (ROOT / "docs" / "benchmarks.md").read_text()
