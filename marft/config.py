@@ -224,8 +224,6 @@ class AlgoConfig:
         check_choice("credit_assignment", self.credit_assignment)
         check_choice("kl_reference", self.kl_reference)
         check_choice("lr_schedule", self.lr_schedule)
-        if self.lr_warmup_iterations < 0:
-            raise ValueError(f"--lr_warmup_iterations {self.lr_warmup_iterations}: give 0 (no warm-up) or more iterations")
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "

@@ -55,7 +55,7 @@ def test_every_optimizer_steps_at_the_scheduled_rate(random_model_dir, tmp_path,
 
 
 def test_a_negative_warmup_is_a_clear_error():
-    with pytest.raises(ValueError, match="lr_warmup_iterations -1"):
+    with pytest.raises(ValueError, match="--lr_warmup_iterations must be >= 0, got -1"):
         AlgoConfig(lr_warmup_iterations=-1)
 
 
