@@ -281,10 +281,10 @@ class PPOTrainer:
         ``constant``; ``1 - iteration / total_iterations`` for ``linear`` (1 at the first iteration, ``1 / total``
         at the last); times ``(iteration + 1) / lr_warmup_iterations`` during ``--lr_warmup_iterations``."""
         warmup = self.config.lr_warmup_iterations
-        scale = min(1.0, (iteration + 1) / warmup) if warmup else 1.0
+        ramp = min(1.0, (iteration + 1) / warmup) if warmup else 1.0
         if self.config.lr_schedule == "constant" or not self.total_iterations:
-            return scale
-        return scale * max(0.0, 1.0 - iteration / self.total_iterations)
+            return ramp
+        return ramp * max(0.0, 1.0 - iteration / self.total_iterations)
 
     def set_learning_rates(self, iteration: int) -> None:
         """Every optimizer's learning rate for ``iteration``: its configured rate times :meth:`learning_rate_scale`."""
