@@ -1,0 +1,104 @@
+"""Self-play on a two-player game: does each agent end stronger against the random player than it started?
+
+    python scripts/selfplay_benchmark.py --seed 0
+    python scripts/selfplay_benchmark.py --seed 0 --invalid_move_penalty 1 --lr_warmup_iterations 10
+
+Runs the self-play recipe of docs/games.md as its commands (each in its own process, exactly as a user types them):
+
+1. ``marft sft``: the warm start on random legal play from each seat's view (``--sft_steps``, ``--n_demonstrations``);
+2. ``marft eval --versus_random``: each agent of the warm start against the random-legal-move player (it plays the
+   other agent's seat), ``--episodes`` held-out games, both seats;
+3. ``marft train``: self-play from the warm start (GRPO with each agent's own reward), with any further flags given
+   here (e.g. ``--invalid_move_penalty 1 --lr_warmup_iterations 10``);
+4. ``marft eval --versus_random`` of the trained agents, the same games.
+
+Prints the commands, then ONE line of JSON: per agent, its win rate over both seats against the random player before
+and after (``before_a``, ``after_a``, ``before_b``, ``after_b``), the share of its games ended by an invalid move
+(``before_a_invalid`` ...), each evaluation's ``games`` figures, and the seconds of the whole run. The run's folders stay under ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SELF_PLAY_FLAGS = ("--profile_path game_seats --algorithm_name GRPO --credit_assignment per_step --group_size 4 --horizon 10 "
+                   "--episode_length 10 --max_new_tokens 4 --context_window 1024 --lora_target_modules all-linear,lm_head")
+"""The flags both commands share (docs/games.md's ``$SELF_PLAY`` less ``--env_name``): one agent per seat, GRPO over
+groups of 4 games, each agent paid its own seat's reward."""
+
+ROLES = ("Player A", "Player B")
+"""The agents of ``game_seats``."""
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env_name", default="textarena:TicTacToe-v0", help="a two-player game whose observations list the legal moves")
+    p.add_argument("--seed", type=int, default=0, help="--seed of the warm start and of the training run")
+    p.add_argument("--sft_steps", type=int, default=1500, help="warm-start steps")
+    p.add_argument("--n_demonstrations", type=int, default=6000, help="random-legal-play demonstrations of the warm start")
+    p.add_argument("--n_rollout_threads", type=int, default=32, help="games played at once (warm start and training)")
+    p.add_argument("--num_env_steps", type=int, default=34560, help="training length: moves in all (34560: 108 iterations of 32 x 10)")
+    p.add_argument("--episodes", type=int, default=200, help="held-out games per evaluation (both seats)")
+    p.add_argument("--model_name_or_path", default=None, help="the base model of the warm start (default: the embedded marft-tiny)")
+    p.add_argument("--device", default=None, help="cpu, cuda or auto for every command (default: theirs)")
+    p.add_argument("--output_dir", default=None, help="where the runs go (default results/selfplay/<time>)")
+    return p.parse_known_args(argv)
+
+
+def commands(args: argparse.Namespace, train_flags: list[str]) -> dict[str, list[str]]:
+    """Each step's command line (``marft`` and its flags), by step name."""
+    out = Path(args.output_dir)
+    shared = ["--env_name", args.env_name, *shlex.split(SELF_PLAY_FLAGS), "--n_rollout_threads", str(args.n_rollout_threads)]
+    device = ["--device", args.device] if args.device else []
+    warm_start = out / "sft" / "checkpoints" / "steps_0"
+
+    def evaluate(checkpoint: Path, name: str, role: str) -> list[str]:
+        opponent = next(r for r in ROLES if r != role)
+        return ["eval", "--load_path", str(checkpoint), "--episodes", str(args.episodes), "--versus_random", opponent, *device,
+                "--output_dir", str(out / "eval" / name)]
+
+    steps = {"sft": ["sft", *shared, "--sft_steps", str(args.sft_steps), "--n_demonstrations", str(args.n_demonstrations),
+                     "--seed", str(args.seed), *device, "--output_dir", str(out / "sft"),
+                     *(["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else [])]}
+    steps.update({f"before_{role[-1].lower()}": evaluate(warm_start, f"before_{role[-1].lower()}", role) for role in ROLES})
+    steps["train"] = ["train", "--load_path", str(warm_start), "--n_rollout_threads", str(args.n_rollout_threads),
+                      "--num_env_steps", str(args.num_env_steps), "--seed", str(args.seed), *device, *train_flags,
+                      "--output_dir", str(out / "rl")]
+    steps.update({f"after_{role[-1].lower()}": evaluate(out / "rl", f"after_{role[-1].lower()}", role) for role in ROLES})
+    return steps
+
+
+def wins_over_both_seats(games: dict) -> float:
+    """The agent's win rate over all its games, both seats together (``games`` of an eval's ``summary.json``)."""
+    seats = [games[key] for key in ("seat_0", "seat_1") if key in games]
+    played = sum(seat["games"] for seat in seats)
+    return sum(seat["win"] * seat["games"] for seat in seats) / played if played else float("nan")
+
+
+def main(argv=None) -> dict:
+    args, train_flags = parse_args(argv)
+    args.output_dir = args.output_dir or str(Path("results") / "selfplay" / time.strftime("%Y%m%d-%H%M%S"))
+    start = time.perf_counter()
+    steps = commands(args, train_flags)
+    for name, argv_ in steps.items():
+        print(f"[{name}] marft {shlex.join(argv_)}", flush=True)
+        subprocess.run([sys.executable, "-m", "marft", *argv_], check=True, stdout=subprocess.DEVNULL)
+    games = {name: json.loads((Path(args.output_dir) / "eval" / name / "summary.json").read_text())["games"]
+             for name in steps if name.startswith(("before_", "after_"))}
+    result = {"bench": "selfplay", "env": args.env_name, "seed": args.seed, "train_flags": shlex.join(train_flags)}
+    for name, figures in games.items():
+        result[name] = round(wins_over_both_seats(figures), 4)
+        result[f"{name}_invalid"] = figures["invalid_move_rate"]
+    result.update(games=games, seconds=round(time.perf_counter() - start, 1), run_dir=args.output_dir)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
