@@ -58,20 +58,25 @@ def commands(args: argparse.Namespace, train_flags: list[str]) -> dict[str, list
     device = ["--device", args.device] if args.device else []
     warm_start = out / "sft" / "checkpoints" / "steps_0"
 
-    def evaluate(checkpoint: Path, name: str, role: str) -> list[str]:
-        opponent = next(r for r in ROLES if r != role)
-        return ["eval", "--load_path", str(checkpoint), "--episodes", str(args.episodes), "--versus_random", opponent, *device,
-                "--output_dir", str(out / "eval" / name)]
+    def evaluations(checkpoint: Path, when: str) -> dict[str, list[str]]:
+        """Each agent of ``checkpoint`` against the random player, which plays the other agent's seat."""
+        steps = {}
+        for role in ROLES:
+            name, opponent = f"{when}_{role[-1].lower()}", next(r for r in ROLES if r != role)
+            steps[name] = ["eval", "--load_path", str(checkpoint), "--episodes", str(args.episodes), "--versus_random", opponent,
+                           *device, "--output_dir", str(out / "eval" / name)]
+        return steps
 
-    steps = {"sft": ["sft", *shared, "--sft_steps", str(args.sft_steps), "--n_demonstrations", str(args.n_demonstrations),
-                     "--seed", str(args.seed), *device, "--output_dir", str(out / "sft"),
-                     *(["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else [])]}
-    steps.update({f"before_{role[-1].lower()}": evaluate(warm_start, f"before_{role[-1].lower()}", role) for role in ROLES})
-    steps["train"] = ["train", "--load_path", str(warm_start), "--n_rollout_threads", str(args.n_rollout_threads),
-                      "--num_env_steps", str(args.num_env_steps), "--seed", str(args.seed), *device, *train_flags,
-                      "--output_dir", str(out / "rl")]
-    steps.update({f"after_{role[-1].lower()}": evaluate(out / "rl", f"after_{role[-1].lower()}", role) for role in ROLES})
-    return steps
+    model = ["--model_name_or_path", args.model_name_or_path] if args.model_name_or_path else []
+    return {
+        "sft": ["sft", *shared, "--sft_steps", str(args.sft_steps), "--n_demonstrations", str(args.n_demonstrations),
+                "--seed", str(args.seed), *device, *model, "--output_dir", str(out / "sft")],
+        **evaluations(warm_start, "before"),
+        "train": ["train", "--load_path", str(warm_start), "--n_rollout_threads", str(args.n_rollout_threads),
+                  "--num_env_steps", str(args.num_env_steps), "--seed", str(args.seed), *device, *train_flags,
+                  "--output_dir", str(out / "rl")],
+        **evaluations(out / "rl", "after"),
+    }
 
 
 def wins_over_both_seats(games: dict) -> float:
