@@ -47,6 +47,14 @@ WORKFLOWS = {
 }
 """``--workflow`` → what it plays (the one table of workflows)."""
 
+GAME_VIEWS = {
+    "since_move": "the game's rules and the messages since the agent's previous move (the opponent's move, the board, "
+                  "the legal moves)",
+    "board": "the game's rules and its latest board and any messages after it (as TextArena's GameBoardObservationWrapper): "
+             "one position is one prompt however it was reached; for games whose board TextArena marks as such",
+}
+"""``--game_view`` → what a TextArena game shows an agent (``marft.envs.textarena_env.VIEWS``)."""
+
 CREDIT_MODES = {
     "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): agent n's "
            "reward on its last turn of the step, the rewards of agents that did not speak on the step's last turn, so a "

@@ -26,6 +26,7 @@ from marft.choices import (
     CREDIT_MODES,
     CRITIC_MODES,
     DTYPES,
+    GAME_VIEWS,
     GENERATION_BACKENDS,
     KL_COEF_DEFAULTS,
     KL_REFERENCES,
@@ -124,9 +125,13 @@ class EnvConfig:
     invalid_move_penalty: float = 0.0
     """TextArena games: reward charged to an agent, at that move's own step, for each invalid move the game forgives (TextArena lets the player try again once per move, so under its rule, 0, only a second invalid try in a row costs: the game ends, lost). Environments that take no ``invalid_move_penalty`` argument refuse a non-zero value."""
 
+    game_view: str = "since_move"
+    """TextArena games: what an agent sees besides the rules: since_move (the messages since its previous move) or board (the latest board on, as TextArena's GameBoardObservationWrapper: one position, one prompt). Environments that take no ``view`` argument refuse board."""
+
     def __post_init__(self):
         check_fields(self)
         check_choice("workflow", self.workflow)
+        check_choice("game_view", self.game_view)
 
 
 @dataclass
@@ -368,6 +373,7 @@ SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner"
 
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES, "rollout_correction": ROLLOUT_CORRECTIONS,
                             "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
+                            "game_view": GAME_VIEWS,
                             "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS,
                             "kl_reference": KL_REFERENCES, "lr_schedule": LR_SCHEDULES}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""

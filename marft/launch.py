@@ -43,6 +43,16 @@ def default_run_dir(config: TrainConfig) -> Path:
     return Path("results") / config.runner.experiment_name / time.strftime("%Y%m%d-%H%M%S")
 
 
+def _check_env_takes(env_class, argument: str, flag: str, env_name: str) -> None:
+    """Refuse ``flag`` for an env class whose signature has no ``argument`` (nor ``**kwargs``): TextArena games' flags."""
+    try:
+        parameters = inspect.signature(env_class).parameters.values()
+    except (TypeError, ValueError):  # a callable without a signature: let it take the argument or fail itself
+        return
+    if parameters and argument not in {p.name for p in parameters} and not any(p.kind is p.VAR_KEYWORD for p in parameters):
+        raise ValueError(f"{flag} is for environments that take it (TextArena games, textarena:<game id>); --env_name {env_name} does not")
+
+
 def build_env_factories(config: TrainConfig, profile, eval_split: str = "test"):
     """``(make_train_env, make_eval_env)``: every environment, the shipped ones included, is built as
     ``EnvClass(split="train"|"test", profile=<list of AgentSpec>, horizon=--horizon)``, plus ``dataset_path=`` when
@@ -67,15 +77,11 @@ def build_env_factories(config: TrainConfig, profile, eval_split: str = "test"):
 
     env_class = resolve(ec.env_name)  # an unknown name fails here, before any model loads
     if ec.invalid_move_penalty:
-        try:
-            parameters = inspect.signature(env_class).parameters.values()
-        except (TypeError, ValueError):  # a callable without a signature: let it take the argument or fail itself
-            parameters = ()
-        names = {p.name for p in parameters}
-        if parameters and "invalid_move_penalty" not in names and not any(p.kind is p.VAR_KEYWORD for p in parameters):
-            raise ValueError(f"--invalid_move_penalty is for environments that take it (TextArena games, textarena:<game id>); "
-                             f"--env_name {ec.env_name} does not")
+        _check_env_takes(env_class, "invalid_move_penalty", "--invalid_move_penalty", ec.env_name)
         kwargs["invalid_move_penalty"] = ec.invalid_move_penalty
+    if ec.game_view != "since_move":
+        _check_env_takes(env_class, "view", "--game_view", ec.env_name)
+        kwargs["view"] = ec.game_view
     train_data = {} if ec.dataset_path is None else {"dataset_path": ec.dataset_path}
     eval_source = ec.eval_dataset_path or ec.dataset_path
     eval_data = {} if eval_source is None else {"dataset_path": eval_source}

@@ -110,12 +110,12 @@ def board_of(moves: tuple[str, ...]) -> Board:
     return board
 
 
-def demonstrations(n: int, seed: int = 0) -> list[dict]:
+def demonstrations(n: int, seed: int = 0, view: str = "since_move") -> list[dict]:
     """``n`` one-move rows of the best player against ``textarena:TicTacToe-v0``'s random opponent (training split,
-    both seats), each prompted as training prompts that move."""
+    both seats), each prompted as training prompts that move (with ``--game_view view``)."""
     from marft.envs.textarena_env import TextArenaEnv
 
-    env, rng = TextArenaEnv("TicTacToe-v0"), np.random.default_rng(seed)
+    env, rng = TextArenaEnv("TicTacToe-v0", view=view), np.random.default_rng(seed)
     env.reset(seed=seed)
 
     def best_move(state) -> str:
@@ -132,6 +132,8 @@ def main(argv=None) -> dict:
     p.add_argument("--demonstrations", type=int, default=0, help="write this many rows of the best player's moves")
     p.add_argument("--out", default="tictactoe_expert.jsonl", help="where the rows go (JSONL, for marft sft --sft_data)")
     p.add_argument("--seed", type=int, default=0, help="games and the choice among tied best moves")
+    p.add_argument("--game_view", default="since_move", choices=("since_move", "board"),
+                   help="the rows' prompts: as marft train --game_view prompts a move (train with the same)")
     args = p.parse_args(argv)
     figures = {}
     for name, policy in SIMPLE_POLICIES.items():
@@ -139,7 +141,7 @@ def main(argv=None) -> dict:
         figures[name] = {"seat_0": round(seats[0], 4), "seat_1": round(seats[1], 4), "both": round(sum(seats) / 2, 4)}
     result = {"win_rate_against_random": figures}
     if args.demonstrations:
-        rows = demonstrations(args.demonstrations, args.seed)
+        rows = demonstrations(args.demonstrations, args.seed, args.game_view)
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
         result.update(demonstrations=len(rows), out=args.out)
     print(json.dumps(result))

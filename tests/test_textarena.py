@@ -523,3 +523,66 @@ def test_a_self_play_agent_is_evaluated_against_another_checkpoints_adapter(rand
     assert player_run(random_model_dir, tmp_path / "player") == 0
     with pytest.raises(ValueError, match="another team"):
         load_opponent(team, config, make_env, tmp_path / "player", "Player B")
+
+
+def test_the_board_view_shows_one_position_as_one_prompt_however_it_was_reached():
+    from marft.envs.textarena_env import Game
+
+    games = []
+    for order in (("[0]", "[4]", "[8]"), ("[8]", "[4]", "[0]")):  # O takes 0 and 8, X the centre: the same position
+        game = Game("TicTacToe-v0", 0)
+        for move in order:
+            game.move(move)
+        games.append(game)
+    (a, b), player = games, games[0].current_player
+    assert player == games[1].current_player == 1
+    assert a.view(player, "since_move") != b.view(player, "since_move")  # the messages since the move name the cells played
+    assert a.view(player, "board") == b.view(player, "board")
+    board_view = a.view(player, "board")
+    assert board_view.startswith(a.rules[player].strip()) and board_view.count("Current Board") == 1
+    assert legal_moves(board_view) == ["[1]", "[2]", "[3]", "[5]", "[6]", "[7]"]
+    assert " O | 1 | 2 " in board_view and " 6 | 7 | O " in board_view and " 3 | X | 5 " in board_view
+
+
+def test_the_board_view_reaches_prompts_self_play_views_and_retries_alike():
+    since, board = (make(TTT, split="test", profile="game_player", view=v) for v in ("since_move", "board"))
+    for env in (since, board):
+        env.reset(options={"task_index": 1})
+        env.step((legal_moves(env.episode.history)[0],))
+    assert since.episode.moves == board.episode.moves and since.episode.legal == board.episode.legal
+    assert since.episode.history.count("Current Board") == 2 and board.episode.history.count("Current Board") == 1
+    taken = since.episode.moves[0]
+    board.step((taken,))  # a taken cell: forgiven, the same board again, the same legal moves
+    assert board.episode.retries == (1,) and board.episode.history.count("Current Board") == 1
+    assert board.episode.legal == since.episode.legal
+    selfplay = make(TTT, split="test", profile="game_seats", view="board")
+    selfplay.reset(options={"task_index": 0})
+    selfplay.take_turn(0, "[4]")
+    selfplay.step(selfplay.turn_actions())
+    assert all(view.count("Current Board") == 1 for view in selfplay.private_observations())
+
+
+def test_the_board_view_is_refused_for_a_game_that_shows_no_board():
+    with pytest.raises(ValueError, match="shows no board.*since_move"):
+        make("textarena:IteratedPrisonersDilemma-v0", split="test", profile="game_player", view="board")
+    with pytest.raises(ValueError, match="view must be one of since_move, board"):
+        make(TTT, split="test", profile="game_player", view="latest")
+
+
+def test_the_game_view_flag_reaches_textarena_games_only():
+    from marft.config import EnvConfig, TrainConfig
+    from marft.envs.profile import load_profile
+    from marft.launch import build_env_factories
+
+    with pytest.raises(ValueError, match="--game_view must be one of since_move, board"):
+        EnvConfig(game_view="latest")
+    config = TrainConfig()
+    config.env.env_name, config.env.game_view = "relay_sum", "board"
+    with pytest.raises(ValueError, match="--game_view is for environments that take it"):
+        build_env_factories(config, load_profile(config.model.profile_path))
+    config.env.env_name = TTT
+    make_train_env, make_eval_env = build_env_factories(config, load_profile("game_player"))
+    assert make_train_env().unwrapped.view == make_eval_env().unwrapped.view == "board"
+    config.env.game_view = "since_move"  # the default is passed to no env: every env takes it
+    config.env.env_name = "relay_sum"
+    build_env_factories(config, load_profile(config.model.profile_path))[0]()

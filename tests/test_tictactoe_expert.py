@@ -52,12 +52,15 @@ def test_the_best_player_is_at_least_as_good_as_every_other_policy_from_every_po
     assert expert.best_cells((1, 1, 0, 2, 2, 0, 0, 0, 0), 0) == [2]
 
 
-def test_demonstrations_are_the_best_move_of_the_position_the_prompt_shows(tmp_path):
+@pytest.mark.parametrize("view", ["since_move", "board"])
+def test_demonstrations_are_the_best_move_of_the_position_the_prompt_shows(tmp_path, view):
     pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
     out = tmp_path / "expert.jsonl"
-    result = expert.main(["--demonstrations", "40", "--out", str(out)])
+    result = expert.main(["--demonstrations", "40", "--out", str(out), "--game_view", view])
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert result["demonstrations"] == len(rows) == 40
+    boards_shown = {row["problem"].count("Current Board:") for row in rows}
+    assert boards_shown == {1} if view == "board" else 2 in boards_shown
     assert result["win_rate_against_random"]["best"]["both"] == pytest.approx(0.9667, abs=1e-4)
     for row in rows:
         problem, (turn,) = row["problem"], row["turns"]

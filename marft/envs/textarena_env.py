@@ -10,8 +10,10 @@ step. The reward is TextArena's at the end of the game (win 1, draw 0, loss -1),
 step's ``info`` says ``outcome`` (``win`` / ``draw`` / ``loss``), ``seat`` and ``invalid_move`` (the game ended
 on this agent's invalid move, as TextArena rules it).
 
-What the agent sees: the game's rules (its first message) and the messages since its previous move (the
-opponent's move, the board, the legal moves), so the prompt stays short however long the game; the env's state
+What the agent sees (``view``): the game's rules (its first message) and the messages since its previous move (the
+opponent's move, the board, the legal moves: ``since_move``, the default), so the prompt stays short however long the
+game; or the rules and the latest board only (``board``: the board message and what followed it, as TextArena's
+``GameBoardObservationWrapper`` shows a game), so one position is one prompt however it was reached. The env's state
 is the seed and the moves so far, replayed when needed, so it is pure, checkpointable and exactly resumable.
 
 TextArena is optional: ``pip install "marft[games]"``.
@@ -27,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from marft.choices import GAME_VIEWS
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.profile import AgentSpec, team_profile
 from marft.envs.workflows import StepTurns, Workflow
@@ -35,6 +38,9 @@ from marft.prompting import format_problem
 TEXTARENA_MISSING = 'TextArena is not installed: pip install "marft[games]" (or pip install textarena==0.7.4)'
 
 OPPONENTS = ("random",)
+VIEWS = tuple(GAME_VIEWS)
+"""What the agent sees of the game besides its rules (``--game_view``): the messages since its previous move, or the
+latest board on."""
 DEFAULT_MAX_MOVES = 64
 """The most moves the agent makes in one game when ``--horizon`` is 1 (the default: the game's own end)."""
 GAME_ID = -1
@@ -107,6 +113,8 @@ class Game:
         self.rules = {pid: "" for pid in (0, 1)}
         self.unread = {pid: "" for pid in (0, 1)}
         self.from_game = {pid: "" for pid in (0, 1)}  # the game's own messages among the unread: legal moves come from these
+        self.since_board = {pid: "" for pid in (0, 1)}  # the latest board message (TextArena's GAME_BOARD) and what followed
+        self.has_board = {pid: False for pid in (0, 1)}
         self.done, self.result, self.forgiven = False, None, False
         self._collect()
 
@@ -134,12 +142,18 @@ class Game:
             for sender, message, kind in state.observations.get(pid, []):
                 if kind == ObservationType.PROMPT:
                     self.rules[pid] += message.strip() + "\n"
-                elif sender == GAME_ID:  # only the game lists legal moves
-                    self.unread[pid] += f"[GAME] {message.strip()}\n"
+                    continue
+                if sender == GAME_ID:  # only the game lists legal moves
+                    line = f"[GAME] {message.strip()}\n"
                     self.from_game[pid] += message.strip() + "\n"
                 else:
                     name = state.role_mapping.get(sender, f"Player {sender}")
-                    self.unread[pid] += f"[{name}] {' '.join(message.split())}\n"
+                    line = f"[{name}] {' '.join(message.split())}\n"
+                self.unread[pid] += line
+                if kind == ObservationType.GAME_BOARD and sender == GAME_ID:
+                    self.since_board[pid], self.has_board[pid] = line, True
+                else:
+                    self.since_board[pid] += line
             state.observations[pid] = []
 
     @property
@@ -164,9 +178,10 @@ class Game:
             self.unread[player] = seen + self.unread[player]
             self.from_game[player] = seen_from_game + self.from_game[player]
 
-    def view(self, pid: int) -> str:
-        """What player ``pid`` sees now: the rules, then the messages since its previous move."""
-        return (self.rules[pid] + "\n" + self.unread[pid]).strip()
+    def view(self, pid: int, kind: str = "since_move") -> str:
+        """What player ``pid`` sees now: the rules, then the messages since its previous move (``since_move``) or
+        the latest board and any messages after it (``board``)."""
+        return (self.rules[pid] + "\n" + (self.since_board[pid] if kind == "board" else self.unread[pid])).strip()
 
 
 class MoveWorkflow(Workflow):
@@ -203,6 +218,9 @@ class TextArenaEnv(MultiAgentTextEnv):
         horizon: the most team steps (moves of the team) in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
         opponent: ``random`` (uniformly random legal moves): the fixed opponent of a one-agent team.
         n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once with each seating).
+        view: what an agent sees besides the rules (:data:`VIEWS`): ``since_move`` (the default), the messages since
+            its previous move; ``board``, the latest board and the messages after it (games whose board TextArena
+            marks as such, e.g. Tic-Tac-Toe; others are refused).
         invalid_move_penalty: charged (as reward ``-invalid_move_penalty``, at that move's own step) to an agent for
             each invalid move TextArena forgives: the game lets the player try again (once per move), so under
             TextArena's own rule (0, the default) only a second invalid attempt in a row costs anything (the game
@@ -211,8 +229,11 @@ class TextArenaEnv(MultiAgentTextEnv):
 
     def __init__(self, game_id: str = "TicTacToe-v0", split: str = "train", profile=None, horizon: int = 1,
                  opponent: str = "random", n_games: int | None = None, n_agents: int | None = None,
-                 invalid_move_penalty: float = 0.0):
+                 invalid_move_penalty: float = 0.0, view: str = "since_move"):
         _textarena()
+        if view not in VIEWS:
+            raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
+        self.view = view
         if not (np.isfinite(invalid_move_penalty) and invalid_move_penalty >= 0):
             raise ValueError(f"invalid_move_penalty must be a finite number >= 0 (a charge), got {invalid_move_penalty!r}")
         self.invalid_move_penalty = float(invalid_move_penalty)
@@ -238,12 +259,15 @@ class TextArenaEnv(MultiAgentTextEnv):
         self.random_agents: frozenset[int] = frozenset()
         """Self-play: agents whose moves the random-legal-move player makes instead (:meth:`play_randomly`)."""
         try:
-            Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
+            probe = Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
         except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
             hint = ("; TextArena's word games need NLTK corpora, which cannot be downloaded offline" if isinstance(error, LookupError)
                     else "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else "")
             raise ValueError(f"TextArena could not start {game_id!r} as a two-player game (an unknown id, a game for another number of "
                              f"players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
+        if view == "board" and not probe.has_board[probe.current_player]:
+            raise ValueError(f"{game_id} shows no board at its start (a message TextArena marks GAME_BOARD), so the 'board' view "
+                             f"would show the rules alone; use the 'since_move' view")
 
     @property
     def num_tasks(self) -> int:
@@ -339,10 +363,10 @@ class TextArenaEnv(MultiAgentTextEnv):
         to_move = -1 if game.done else game.current_player
         legal = () if game.done else tuple(legal_moves(game.from_game[to_move]))
         if self.self_play:
-            views = tuple(game.view((agent + seat) % 2) for agent in range(2))
+            views = tuple(game.view((agent + seat) % 2, self.view) for agent in range(2))
             history = format_problem(self.game_id)
         else:
-            views, history = (), format_problem(game.view(seat))
+            views, history = (), format_problem(game.view(seat, self.view))
         if state is None:
             return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
                              moves=moves, to_move=to_move, views=views, legal=legal, retries=(0,) * self.n_agents,
