@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from marft.choices import GAME_VIEWS
+
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 """The eight lines of three cells."""
 
@@ -132,7 +134,7 @@ def main(argv=None) -> dict:
     p.add_argument("--demonstrations", type=int, default=0, help="write this many rows of the best player's moves")
     p.add_argument("--out", default="tictactoe_expert.jsonl", help="where the rows go (JSONL, for marft sft --sft_data)")
     p.add_argument("--seed", type=int, default=0, help="games and the choice among tied best moves")
-    p.add_argument("--game_view", default="since_move", choices=("since_move", "board"),
+    p.add_argument("--game_view", default="since_move", choices=tuple(GAME_VIEWS),
                    help="the rows' prompts: as marft train --game_view prompts a move (train with the same)")
     args = p.parse_args(argv)
     figures = {}

@@ -60,7 +60,7 @@ def test_demonstrations_are_the_best_move_of_the_position_the_prompt_shows(tmp_p
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert result["demonstrations"] == len(rows) == 40
     boards_shown = {row["problem"].count("Current Board:") for row in rows}
-    assert boards_shown == {1} if view == "board" else 2 in boards_shown
+    assert (boards_shown == {1}) if view == "board" else (2 in boards_shown)
     assert result["win_rate_against_random"]["best"]["both"] == pytest.approx(0.9667, abs=1e-4)
     for row in rows:
         problem, (turn,) = row["problem"], row["turns"]

@@ -38,9 +38,6 @@ from marft.prompting import format_problem
 TEXTARENA_MISSING = 'TextArena is not installed: pip install "marft[games]" (or pip install textarena==0.7.4)'
 
 OPPONENTS = ("random",)
-VIEWS = tuple(GAME_VIEWS)
-"""What the agent sees of the game besides its rules (``--game_view``): the messages since its previous move, or the
-latest board on."""
 DEFAULT_MAX_MOVES = 64
 """The most moves the agent makes in one game when ``--horizon`` is 1 (the default: the game's own end)."""
 GAME_ID = -1
@@ -218,7 +215,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         horizon: the most team steps (moves of the team) in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
         opponent: ``random`` (uniformly random legal moves): the fixed opponent of a one-agent team.
         n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once with each seating).
-        view: what an agent sees besides the rules (:data:`VIEWS`): ``since_move`` (the default), the messages since
+        view: what an agent sees besides the rules (:data:`marft.choices.GAME_VIEWS`): ``since_move`` (the default), the messages since
             its previous move; ``board``, the latest board and the messages after it (games whose board TextArena
             marks as such, e.g. Tic-Tac-Toe; others are refused).
         invalid_move_penalty: charged (as reward ``-invalid_move_penalty``, at that move's own step) to an agent for
@@ -231,8 +228,8 @@ class TextArenaEnv(MultiAgentTextEnv):
                  opponent: str = "random", n_games: int | None = None, n_agents: int | None = None,
                  invalid_move_penalty: float = 0.0, view: str = "since_move"):
         _textarena()
-        if view not in VIEWS:
-            raise ValueError(f"view must be one of {', '.join(VIEWS)}, got {view!r}")
+        if view not in GAME_VIEWS:
+            raise ValueError(f"view must be one of {', '.join(GAME_VIEWS)}, got {view!r}")
         self.view = view
         if not (np.isfinite(invalid_move_penalty) and invalid_move_penalty >= 0):
             raise ValueError(f"invalid_move_penalty must be a finite number >= 0 (a charge), got {invalid_move_penalty!r}")
