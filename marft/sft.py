@@ -231,6 +231,27 @@ def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: i
     return losses
 
 
+def training_reply_loss(team, examples: Sequence[TurnExample], most: int = 1024, batch_size: int = 32) -> float:
+    """The trained adapters' mean reply loss (nats per reply token, as :func:`warm_start`'s steps count it) over
+    ``most`` of the training turns, spread evenly over them (all when fewer). The loss a warm start prints for its
+    last step is one batch's: with ties in the demonstrations it wanders by up to a third either way, so this is the
+    figure to compare with the demonstrations' floor."""
+    if not examples:
+        raise ValueError("no transcript turn to score")
+    sample = list(examples[:: max(1, -(-len(examples) // most))])
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for adapter in team.policy_adapters:
+            mine = [e for e in sample if team.agent_adapters[e.agent] == adapter]
+            for start in range(0, len(mine), batch_size):
+                batch = mine[start:start + batch_size]
+                n = sum(len(e.reply_ids) for e in batch)
+                total += float(reply_nll(team, adapter, batch)) * n
+                tokens += n
+    team.set_active(None)
+    return total / tokens
+
+
 def unlearned_reply_tokens(team, examples: Sequence[TurnExample], nll_above: float = 3.0, min_share: float = 0.2,
                            max_examples: int = 256, most: int = 10) -> dict[str, float]:
     """The format tokens the warm start left unlikely: ``{token: mean negative log-likelihood}`` (at most ``most``,

@@ -317,12 +317,14 @@ def bench_learning(args) -> dict:
     )
     start = time.perf_counter()
     if args.sft_steps:  # the protocol first (e.g. the orchestrator's tags, with routing at random), then RL
-        from marft.sft import SFTConfig, demonstrations, turn_examples, warm_start
+        from marft.sft import SFTConfig, demonstrations, training_reply_loss, turn_examples, warm_start
 
         examples = turn_examples(runner.team.prompts, demonstrations(make_train_env, args.n_demonstrations, args.seed), eos_id=runner.team.eos_id,
                                  max_reply_tokens=args.max_new_tokens)
         losses = warm_start(runner.team, examples, SFTConfig(sft_steps=args.sft_steps), seed=args.seed)
-        print(f"warm start: {args.sft_steps} steps, reply loss {losses[0]:.3f} -> {losses[-1]:.3f} ({time.perf_counter() - start:.0f}s)", flush=True)
+        warm_start_loss = training_reply_loss(runner.team, examples)
+        print(f"warm start: {args.sft_steps} steps, reply loss {losses[0]:.3f} -> {losses[-1]:.3f} (last step's batch), "
+              f"{warm_start_loss:.3f} over the training turns ({time.perf_counter() - start:.0f}s)", flush=True)
         if config.algo.effective_kl_coef > 0 and args.kl_reference == "auto":  # the KL keeps the warm start, as after --load_path
             runner.team.add_reference_adapters()
             config.algo.kl_reference = "initial"

@@ -3,6 +3,7 @@
     python scripts/tictactoe_expert.py                                   # the best win rate per seat, and simple policies'
     python scripts/tictactoe_expert.py --demonstrations 6000 --out expert.jsonl
     marft sft --env_name textarena:TicTacToe-v0 --sft_data expert.jsonl ...   # can the model imitate it?
+    python scripts/tictactoe_expert.py --grade runs/ttt_expert --sft_data expert.jsonl   # where does it go wrong?
 
 The opponent of ``textarena:TicTacToe-v0`` plays uniformly random legal moves, so the best reply is the one that
 maximises the probability of winning against it (expectimax over the opponent's moves, not minimax). The
@@ -11,8 +12,16 @@ against the env's own random opponent, each prompted exactly as training prompts
 --sft_data``): a warm start that shows the model the answer. What a model reaches when imitating them bounds what it
 can represent of the game (docs/games.md: "Is the model too small?").
 
+``--grade CHECKPOINT`` scores a trained player position by position: on the positions the best player meets in fresh
+games against the random player (``--grade_seed``, ``--positions``), how often the checkpoint's most likely move is one
+of the best, the probability it gives the best moves, and the win probability its most likely move gives away; split
+by seat and, with ``--sft_data``, into positions its warm-start rows showed (``seen``) and the others (``unseen``).
+Each move's probability is that of its reply as the warm start scores it (:func:`marft.sft.reply_nll`), normalised
+over the nine cells. A model that imitates well but misses unseen positions generalises poorly; one that misses the
+positions it was trained on has not fitted them.
+
 Prints ONE line of JSON: the best and simple policies' win rates per seat and over both seats (and, with
-``--demonstrations``, the rows written).
+``--demonstrations``, the rows written; with ``--grade``, the checkpoint's figures).
 """
 
 from __future__ import annotations
@@ -20,11 +29,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from marft.choices import GAME_VIEWS
+
+if TYPE_CHECKING:
+    import torch
 
 LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
 """The eight lines of three cells."""
@@ -112,6 +126,17 @@ def board_of(moves: tuple[str, ...]) -> Board:
     return board
 
 
+def board_in_prompt(problem: str) -> tuple[Board, int]:
+    """``(board, seat)`` of the latest board a demonstration's prompt shows (digits are free cells, O is player 0's
+    mark, X player 1's) and the seat it asks to move."""
+    seat = int(re.search(r"You are Player (\d)", problem).group(1))
+    latest = problem.rsplit("Current Board:", 1)[1].split("Available Moves:")[0]
+    marks = [mark for line in re.findall(r"^ (\S) \| (\S) \| (\S) $", latest, flags=re.M) for mark in line]
+    if len(marks) != 9:
+        raise ValueError(f"no 3x3 board in the prompt's latest 'Current Board:' ({len(marks)} cells)")
+    return tuple(0 if mark.isdigit() else {"O": 1, "X": 2}[mark] for mark in marks), seat
+
+
 def demonstrations(n: int, seed: int = 0, view: str = "since_move") -> list[dict]:
     """``n`` one-move rows of the best player against ``textarena:TicTacToe-v0``'s random opponent (training split,
     both seats), each prompted as training prompts that move (with ``--game_view view``)."""
@@ -129,6 +154,68 @@ def demonstrations(n: int, seed: int = 0, view: str = "since_move") -> list[dict
     return env.demonstrations(n, choose=best_move)
 
 
+def move_value(board: Board, cell: int, me: int) -> float:
+    """P(``me`` wins) after ``me`` plays ``cell`` (then the best player against random); an occupied cell loses."""
+    return 0.0 if board[cell] else win_probability(play(board, cell, me), 1 - me, me)
+
+
+def cell_log_probs(checkpoint: str, problems: list[str], batch_positions: int = 16) -> torch.Tensor:
+    """``(N, 9)``: log-probabilities of the replies ``[0]`` … ``[8]`` to each prompt under ``checkpoint``'s player,
+    each reply scored as the warm start scores it (:func:`marft.sft.reply_nll`: its tokens as the team samples them,
+    cut to ``--max_new_tokens``), normalised over the nine."""
+    import torch
+
+    from marft.sft import reply_nll, turn_examples
+    from marft.trained.evaluate import checkpoint_config, load_team
+
+    config, path = checkpoint_config(checkpoint)
+    team, profile, _ = load_team(config, path)
+    if len(profile) != 1:
+        raise ValueError(f"--grade scores a one-agent player (--profile_path game_player); {checkpoint} is a team of {len(profile)}")
+    role = profile[0].role
+    rows = [{"problem": problem, "turns": [{"role": role, "text": f"[{cell}]"}]} for problem in problems for cell in range(9)]
+    examples = turn_examples(team.prompts, rows, eos_id=team.eos_id, max_reply_tokens=config.model.max_new_tokens)
+    adapter, scores = team.agent_adapters[0], []
+    with torch.no_grad():
+        for start in range(0, len(examples), 9 * batch_positions):
+            batch = examples[start:start + 9 * batch_positions]
+            per_token = reply_nll(team, adapter, batch, reduction="none").float().cpu()  # (sum of reply lengths,)
+            ends = torch.tensor([len(e.reply_ids) for e in batch]).cumsum(0)
+            per_reply = torch.tensor([-part.sum() for part in torch.tensor_split(per_token, ends[:-1])])  # (B,)
+            scores.append(per_reply.view(-1, 9))
+    team.set_active(None)
+    return torch.log_softmax(torch.cat(scores), dim=-1)  # (N, 9)
+
+
+def grade(checkpoint: str, positions: int, seed: int, sft_data: str | None = None) -> dict:
+    """The checkpoint's play on the positions the best player meets (``positions`` moves of fresh games, seed
+    ``seed``, in the checkpoint's ``--game_view``), compared with the best moves: per group of positions (all, each
+    seat, ``seen``/``unseen`` in ``sft_data``'s prompts), ``argmax_best`` (share where its most likely move is a
+    best one), ``p_best`` (mean probability on the best moves), ``value_lost`` (mean win probability its most
+    likely move gives away; an occupied cell loses the game) and ``p_taken`` (mean probability on occupied cells)."""
+    from marft.trained.evaluate import checkpoint_config
+
+    config = checkpoint_config(checkpoint)[0]
+    if config.env.env_name.removeprefix("textarena:").split("-")[0] != "TicTacToe":
+        raise ValueError(f"--grade scores Tic-Tac-Toe players; {checkpoint} trained on {config.env.env_name}")
+    view = config.env.game_view
+    problems = sorted({row["problem"] for row in demonstrations(positions, seed, view)})
+    seen = {json.loads(line)["problem"] for line in Path(sft_data).read_text().splitlines() if line.strip()} if sft_data else set()
+    log_probs = cell_log_probs(checkpoint, problems)  # (N, 9)
+    groups: dict[str, list[tuple[float, float, float, float]]] = {}
+    for problem, row in zip(problems, log_probs.exp()):
+        board, seat = board_in_prompt(problem)
+        best, chosen = best_cells(board, seat), int(row.argmax())
+        figures = (float(chosen in best), float(row[best].sum()), move_value(board, best[0], seat) - move_value(board, chosen, seat),
+                   float(sum(row[c] for c in range(9) if board[c])))
+        names = ["all", f"seat_{seat}"] + ([("seen" if problem in seen else "unseen")] if sft_data else [])
+        for name in names:
+            groups.setdefault(name, []).append(figures)
+    keys = ("argmax_best", "p_best", "value_lost", "p_taken")
+    return {name: {"positions": len(rows), **{k: round(float(np.mean([r[i] for r in rows])), 4) for i, k in enumerate(keys)}}
+            for name, rows in sorted(groups.items())}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--demonstrations", type=int, default=0, help="write this many rows of the best player's moves")
@@ -136,7 +223,14 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0, help="games and the choice among tied best moves")
     p.add_argument("--game_view", default="since_move", choices=tuple(GAME_VIEWS),
                    help="the rows' prompts: as marft train --game_view prompts a move (train with the same)")
+    p.add_argument("--grade", metavar="CHECKPOINT", help="score this checkpoint (or run directory) move by move against the best player")
+    p.add_argument("--positions", type=int, default=2000, help="--grade: moves of the best player's games to draw positions from")
+    p.add_argument("--grade_seed", type=int, default=1, help="--grade: the games' seed (the demonstrations' --seed is 0 by default, "
+                   "so another seed gives positions partly unseen)")
+    p.add_argument("--sft_data", help="--grade: the warm start's rows, to split the positions into seen and unseen")
     args = p.parse_args(argv)
+    if args.positions < 1:
+        p.error("--positions must be at least 1")
     figures = {}
     for name, policy in SIMPLE_POLICIES.items():
         seats = [policy_win_rate(policy, me) for me in (0, 1)]
@@ -146,6 +240,8 @@ def main(argv=None) -> dict:
         rows = demonstrations(args.demonstrations, args.seed, args.game_view)
         Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows))
         result.update(demonstrations=len(rows), out=args.out)
+    if args.grade:
+        result["grade"] = {"checkpoint": args.grade, **grade(args.grade, args.positions, args.grade_seed, args.sft_data)}
     print(json.dumps(result))
     return result
 

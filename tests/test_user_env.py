@@ -233,6 +233,29 @@ def test_warm_start_moves_only_the_agents_adapters_and_lowers_the_reply_loss(ran
     assert moved == {"reasoner", "actor"}
 
 
+def test_the_training_reply_loss_is_the_token_weighted_mean_over_an_even_spread_of_turns(random_model_dir):
+    """Against a plain reference: every chosen turn scored alone, its tokens' losses summed, divided by their count."""
+    from test_team import make_team
+
+    from marft.sft import TurnExample, reply_nll, training_reply_loss
+
+    team = make_team(random_model_dir, context_window=256, max_new_tokens=16)
+    replies = [" \\boxed{7}", " 7", " the answer is 7", " \\boxed{12}", " 3 + 4 = 7"]
+    examples = [TurnExample(k % 2, team.encode_prompts(k % 2, [f"Problem: What is {k} + 4?\n"], [[]])[0][0].tolist(),
+                            team.tokenizer(replies[k % 5], add_special_tokens=False).input_ids + [team.eos_id]) for k in range(10)]
+
+    def reference(chosen):
+        with torch.no_grad():
+            nll = [float(reply_nll(team, team.agent_adapters[e.agent], [e])) * len(e.reply_ids) for e in chosen]
+        return sum(nll) / sum(len(e.reply_ids) for e in chosen)
+
+    assert training_reply_loss(team, examples, batch_size=3) == pytest.approx(reference(examples), rel=1e-5)
+    assert training_reply_loss(team, examples, most=4) == pytest.approx(reference(examples[::3]), rel=1e-5)  # 4 of 10: every third
+    assert training_reply_loss(team, examples, most=5) == pytest.approx(reference(examples[::2]), rel=1e-5)
+    with pytest.raises(ValueError, match="no transcript turn"):
+        training_reply_loss(team, [])
+
+
 @pytest.mark.slow
 def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_path, user_package):
     """The guide's walkthrough, shortened: the embedded model never writes ``{d}``; the warm start on the env's
@@ -244,7 +267,7 @@ def test_a_new_format_is_learned_through_sft_then_rl_from_the_command_line(tmp_p
     sft, rl = tmp_path / "sft", tmp_path / "rl"
     assert sft_main([*common, "--sft_steps", "120", "--output_dir", str(sft)]) == 0
     warm = json.loads((sft / "sft_summary.json").read_text())
-    assert warm["last_loss"] < warm["first_loss"] / 4
+    assert warm["last_loss"] < warm["first_loss"] / 4 and warm["train_loss"] < warm["first_loss"] / 4
     assert main(["--load_path", str(sft / "checkpoints" / "steps_0"), "--num_env_steps", str(32 * 60), "--output_dir", str(rl)]) == 0
     summary = json.loads((rl / "summary.json").read_text())
     assert summary["accuracy_before"] <= 0.3 and summary["accuracy_after"] >= 0.7, summary

@@ -14,7 +14,15 @@ import time
 from marft.config import SECTIONS, TrainConfig, parse_sections
 from marft.faults import CheckpointError, CheckpointWriteError, ExitCode
 from marft.launch import build_team, default_run_dir, validate
-from marft.sft import SFTConfig, demonstrations, load_transcripts, turn_examples, unlearned_reply_tokens, warm_start
+from marft.sft import (
+    SFTConfig,
+    demonstrations,
+    load_transcripts,
+    training_reply_loss,
+    turn_examples,
+    unlearned_reply_tokens,
+    warm_start,
+)
 from marft.training.checkpoint import save_checkpoint
 
 
@@ -44,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     losses = warm_start(team, examples, sft_config, seed=config.runner.seed)
+    train_loss = training_reply_loss(team, examples)
     unlearned = unlearned_reply_tokens(team, examples)
     if unlearned:
         hint = ("; the output layer is frozen and may cap them: try --lora_target_modules all-linear,lm_head"
@@ -52,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = default_run_dir(config)
     state = {"iteration": 0, "env_steps": 0, "roles": [spec.role for spec in profile], "next_agents": trainer.agents_to_train(0),
              "counters": dict(trainer.counters), "sft": {"transcripts": len(transcripts), "skipped": skipped, "turns": len(examples),
-                                                         "first_loss": losses[0], "last_loss": losses[-1]}}
+                                                         "first_loss": losses[0], "last_loss": losses[-1],
+                                                         "train_loss": train_loss}}
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(config.to_json())
@@ -66,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {**state["sft"], "unlearned_reply_tokens": unlearned, "seconds": round(time.perf_counter() - start, 1), "checkpoint": str(checkpoint)}
     (run_dir / "sft_summary.json").write_text(json.dumps(summary, indent=2))
     print(f"warm start done in {summary['seconds']:.0f}s: {len(examples)} turns of {len(transcripts)} transcripts "
-          f"({skipped} skipped), reply loss {losses[0]:.3f} -> {losses[-1]:.3f}; start RL with --load_path {checkpoint}", flush=True)
+          f"({skipped} skipped), reply loss {losses[0]:.3f} -> {losses[-1]:.3f} (last step's batch), {train_loss:.3f} over the "
+          f"training turns; start RL with --load_path {checkpoint}", flush=True)
     return 0
 
 
