@@ -233,9 +233,8 @@ def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: i
 
 def training_reply_loss(team, examples: Sequence[TurnExample], most: int = 1024, batch_size: int = 32) -> float:
     """The trained adapters' mean reply loss (nats per reply token, as :func:`warm_start`'s steps count it) over
-    ``most`` of the training turns, spread evenly over them (all when fewer). The loss a warm start prints for its
-    last step is one batch's: with ties in the demonstrations it wanders by up to a third either way, so this is the
-    figure to compare with the demonstrations' floor."""
+    ``most`` of the training turns, spread evenly over them (all when fewer): unlike the last step's loss, which is
+    one batch's, a figure to compare between runs and with the demonstrations' floor."""
     if not examples:
         raise ValueError("no transcript turn to score")
     sample = list(examples[:: max(1, -(-len(examples) // most))])

@@ -180,8 +180,8 @@ def cell_log_probs(checkpoint: str, problems: list[str], batch_positions: int = 
         for start in range(0, len(examples), 9 * batch_positions):
             batch = examples[start:start + 9 * batch_positions]
             per_token = reply_nll(team, adapter, batch, reduction="none").float().cpu()  # (sum of reply lengths,)
-            ends = torch.tensor([len(e.reply_ids) for e in batch]).cumsum(0)
-            per_reply = torch.tensor([-part.sum() for part in torch.tensor_split(per_token, ends[:-1])])  # (B,)
+            reply_of_token = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([len(e.reply_ids) for e in batch]))
+            per_reply = -torch.zeros(len(batch)).index_add_(0, reply_of_token, per_token)  # (B,): each reply's log-prob
             scores.append(per_reply.view(-1, 9))
     team.set_active(None)
     return torch.log_softmax(torch.cat(scores), dim=-1)  # (N, 9)
