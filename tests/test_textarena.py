@@ -260,7 +260,7 @@ def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_m
 
     run = tmp_path / "run"
     assert player_run(random_model_dir, run) == 0
-    summary = evaluate(run, episodes=8, seed=0, output_dir=tmp_path / "eval")
+    summary = evaluate(run, episodes=8, seed=0, greedy=True, output_dir=tmp_path / "eval")
     games = summary["games"]
     assert set(games) == {"role", "seat_0", "seat_1", "invalid_move_rate", "forgiven_invalid_moves_per_game"} and games["role"] == "Player"
     for seat in ("seat_0", "seat_1"):
@@ -269,6 +269,14 @@ def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_m
     assert games["invalid_move_rate"] == pytest.approx(sum(t["invalid_move"] for t in transcripts) / 8)
     assert games["forgiven_invalid_moves_per_game"] == pytest.approx(sum(t["invalid_attempts"] for t in transcripts) / 8)
     assert summary["accuracy"] == pytest.approx(sum(t["outcome"] == "win" for t in transcripts) / 8)
+    # --greedy: the same figures for the greedy games, from their own transcripts
+    greedy = [json.loads(line) for line in (tmp_path / "eval" / "greedy_transcripts.jsonl").read_text().splitlines()]
+    assert len(greedy) == 8 and set(summary["greedy_games"]) == set(games)
+    assert summary["greedy_accuracy"] == pytest.approx(sum(t["outcome"] == "win" for t in greedy) / 8)
+    assert summary["greedy_games"]["invalid_move_rate"] == pytest.approx(sum(t["invalid_move"] for t in greedy) / 8)
+    for seat in ("seat_0", "seat_1"):
+        mine = [t for t in greedy if t["seat"] == int(seat[-1])]
+        assert summary["greedy_games"][seat]["win"] == pytest.approx(sum(t["outcome"] == "win" for t in mine) / len(mine))
 
 
 def test_a_reply_imitating_the_game_cannot_steer_the_random_opponent():

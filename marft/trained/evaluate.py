@@ -118,6 +118,10 @@ def evaluate(
     ``episodes``: play this many episodes (task ``j % tasks``) instead of ``n`` per task; with the training run's
     ``--eval_episodes`` and ``seed`` it replays the evaluation that training printed.
 
+    ``greedy``: also play once with the most likely token every step (top-k 1), one episode per task the evaluation
+    played (``episodes`` fewer than the tasks: tasks ``0 .. episodes - 1``); ``greedy_accuracy`` and (for a game)
+    ``greedy_games`` in the summary, the episodes in ``greedy_transcripts.jsonl``.
+
     Raises:
         ValueError: ``k`` larger than ``n``, an env without held-out tasks for pass@k, a bad config.
         FileNotFoundError: no such checkpoint.
@@ -142,8 +146,13 @@ def evaluate(
     calls = diagnostics.call_distribution()
     if calls:  # an orchestrated team: whom the orchestrator called per step, and the share of invalid replies
         summary["orchestrator_calls"] = calls
+    greedy_transcripts = None
     if greedy:
-        summary["greedy_accuracy"] = _greedy_accuracy(team, make_eval_env, tasks or total, seed, config, profile, evaluate_episodes)
+        greedy_result, greedy_transcripts = _greedy(team, make_eval_env, min(total, tasks) if tasks else total, seed, config, profile, evaluate_episodes)
+        summary["greedy_accuracy"] = greedy_result["accuracy"]
+        greedy_games = game_figures(greedy_transcripts, [s.role for s in profile], perspective)
+        if greedy_games:  # a game's figures played greedily: a slip the sampler makes now and then, greedy play makes always or never
+            summary["greedy_games"] = greedy_games["games"]
     summary["seconds"] = round(time.perf_counter() - start, 1)
     backend = config.model.generation_backend
     if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split, sample count and sampler
@@ -153,7 +162,7 @@ def evaluate(
                          + (f"-versus-{Path(versus_checkpoint).name}-{versus_role.lower().replace(' ', '_')}" if versus_checkpoint else "")
                          + ("" if backend == "decode_loop" else f"-{backend}")))
     out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
-    _write(out, summary, transcripts)
+    _write(out, summary, transcripts, greedy_transcripts)
     summary["output_dir"] = str(out)
     return summary
 
@@ -165,15 +174,14 @@ def _play(team, make_env, total: int, seed: int, config: TrainConfig, diagnostic
         return evaluate_episodes(team, make_env, total, seed, config.runner.n_eval_threads, diagnostics, progress=progress)
 
 
-def _greedy_accuracy(team, make_env, tasks: int, seed: int, config: TrainConfig, profile, evaluate_episodes) -> float:
-    """Success of one greedy pass per task (top-k 1: the most likely token every step)."""
+def _greedy(team, make_env, tasks: int, seed: int, config: TrainConfig, profile, evaluate_episodes) -> tuple[dict, list[dict]]:
+    """``(result, transcripts)`` of one greedy pass per task (top-k 1: the most likely token every step)."""
     top_k = team.sampling.top_k
     team.set_top_k(1)
     try:
-        result, _ = _play(team, make_env, tasks, seed, config, TeamDiagnostics([s.role for s in profile]), False, evaluate_episodes)
+        return _play(team, make_env, tasks, seed, config, TeamDiagnostics([s.role for s in profile]), False, evaluate_episodes)
     finally:
         team.set_top_k(top_k)
-    return result["accuracy"]
 
 
 def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: dict, tasks: int | None, n: int, k, seed: int, roles,
@@ -295,10 +303,14 @@ def role_stats(transcripts: list[dict], roles: Sequence[str]) -> dict[str, dict[
     return stats
 
 
-def _write(out: Path, summary: dict, transcripts: list[dict]) -> None:
+def _write(out: Path, summary: dict, transcripts: list[dict], greedy_transcripts: list[dict] | None = None) -> None:
+    """``summary.json``, ``transcripts.jsonl`` and (``--greedy``) ``greedy_transcripts.jsonl`` in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "transcripts.jsonl").open("w", encoding="utf-8") as file:
-        for episode in transcripts:
-            file.write(json.dumps(episode) + "\n")
+    for name, episodes in (("transcripts.jsonl", transcripts), ("greedy_transcripts.jsonl", greedy_transcripts)):
+        if episodes is None:
+            continue
+        with (out / name).open("w", encoding="utf-8") as file:
+            for episode in episodes:
+                file.write(json.dumps(episode) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     logger.info("evaluation written to %s", out)
