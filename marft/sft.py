@@ -22,6 +22,7 @@ transcripts, turned into examples by :func:`turn_examples`, batched by :func:`co
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -45,6 +46,9 @@ class SFTConfig:
     """Transcripts: a JSONL file (one episode per line), or ``demonstrations`` to draw them from the env's demonstrations(n)."""
     n_demonstrations: int = 2000
     """How many episodes to draw from the env's demonstrations (training split)."""
+    recovery_share: float = 0.0
+    """The share of demonstrated moves made after a rejected attempt (environments whose ``demonstrations`` take a
+    ``recovery_share``: TextArena games), so the warm start shows what to do once the game rejects a move; 0: none."""
     sft_steps: int = 300
     """Optimizer steps of the warm start."""
     sft_batch_size: int = 32
@@ -281,14 +285,22 @@ def unlearned_reply_tokens(team, examples: Sequence[TurnExample], nll_above: flo
     return {team.tokenizer.convert_ids_to_tokens(token): round(m, 2) for m, token in unlikely}
 
 
-def demonstrations(make_env, n: int, seed: int) -> list[dict]:
-    """``n`` transcripts from an environment's ``demonstrations(n)`` (drawn with its ``np_random`` after ``reset(seed)``).
+def demonstrations(make_env, n: int, seed: int, recovery_share: float = 0.0) -> list[dict]:
+    """``n`` transcripts from an environment's ``demonstrations(n)`` (drawn with its ``np_random`` after ``reset(seed)``);
+    ``recovery_share``: see :attr:`SFTConfig.recovery_share`.
 
     Raises:
-        ValueError: the environment has no ``demonstrations`` method.
+        ValueError: the environment has no ``demonstrations`` method, or a ``recovery_share`` its method does not take.
     """
     env = make_env()
-    if not hasattr(env.unwrapped, "demonstrations"):
-        raise ValueError(f"{type(env.unwrapped).__name__} has no demonstrations(n); pass --sft_data transcripts.jsonl instead")
+    unwrapped = env.unwrapped
+    if not hasattr(unwrapped, "demonstrations"):
+        raise ValueError(f"{type(unwrapped).__name__} has no demonstrations(n); pass --sft_data transcripts.jsonl instead")
+    kwargs = {}
+    if recovery_share:
+        if "recovery_share" not in inspect.signature(unwrapped.demonstrations).parameters:
+            raise ValueError(f"--recovery_share is for environments whose demonstrations(n, recovery_share=...) show moves after a "
+                             f"rejected one (TextArena games); {type(unwrapped).__name__}'s do not")
+        kwargs["recovery_share"] = recovery_share
     env.reset(seed=seed)
-    return [check_transcript(t) for t in env.unwrapped.demonstrations(n)]
+    return [check_transcript(t) for t in unwrapped.demonstrations(n, **kwargs)]

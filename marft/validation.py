@@ -90,7 +90,7 @@ RULES: dict[str, Range] = {
     "eval_interval": NON_NEGATIVE, "eval_episodes": AT_LEAST_1, "n_eval_threads": AT_LEAST_1, "keep_checkpoints": NON_NEGATIVE,
     "dist_timeout_s": POSITIVE,
     # sft (marft.sft.SFTConfig)
-    "n_demonstrations": AT_LEAST_1, "sft_steps": AT_LEAST_1, "sft_batch_size": AT_LEAST_1, "sft_lr": POSITIVE,
+    "n_demonstrations": AT_LEAST_1, "recovery_share": UNIT, "sft_steps": AT_LEAST_1, "sft_batch_size": AT_LEAST_1, "sft_lr": POSITIVE,
 }
 """Field name → its allowed range (field names are unique over all sections: each is one ``--flag``)."""
 

@@ -99,6 +99,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_layers", type=int, default=8, help="random model: layers")
     p.add_argument("--sft_steps", type=int, default=0, help="learning: supervised warm-start steps of the adapters on the env's demonstrations before RL")
     p.add_argument("--n_demonstrations", type=int, default=2000, help="learning: demonstrations drawn for the warm start (--sft_steps)")
+    p.add_argument("--recovery_share", type=float, default=0.0, help="learning: the share of demonstrated moves made after a rejected "
+                   "attempt (TextArena games; see marft sft --recovery_share)")
     p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
     p.add_argument("--compare_backend", default=None, help="rollout: also time this --generation_backend on the same team and envs, "
@@ -319,7 +321,8 @@ def bench_learning(args) -> dict:
     if args.sft_steps:  # the protocol first (e.g. the orchestrator's tags, with routing at random), then RL
         from marft.sft import SFTConfig, demonstrations, training_reply_loss, turn_examples, warm_start
 
-        examples = turn_examples(runner.team.prompts, demonstrations(make_train_env, args.n_demonstrations, args.seed), eos_id=runner.team.eos_id,
+        examples = turn_examples(runner.team.prompts, demonstrations(make_train_env, args.n_demonstrations, args.seed, args.recovery_share),
+                                 eos_id=runner.team.eos_id,
                                  max_reply_tokens=args.max_new_tokens)
         losses = warm_start(runner.team, examples, SFTConfig(sft_steps=args.sft_steps), seed=args.seed)
         warm_start_loss = training_reply_loss(runner.team, examples)

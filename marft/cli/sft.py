@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--load_path is for RL; the warm start starts from the base model")
         profile, make_train_env, _ = validate(config)
         transcripts, skipped = (
-            (demonstrations(make_train_env, sft_config.n_demonstrations, config.runner.seed), 0)
+            (demonstrations(make_train_env, sft_config.n_demonstrations, config.runner.seed, sft_config.recovery_share), 0)
             if sft_config.sft_data == "demonstrations" else load_transcripts(sft_config.sft_data)
         )
     except (OSError, ValueError) as error:

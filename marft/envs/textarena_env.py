@@ -111,6 +111,7 @@ class Game:
         self.unread = {pid: "" for pid in (0, 1)}
         self.from_game = {pid: "" for pid in (0, 1)}  # the game's own messages among the unread: legal moves come from these
         self.since_board = {pid: "" for pid in (0, 1)}  # the latest board message (TextArena's GAME_BOARD) and what followed
+        self.before_board = {pid: "" for pid in (0, 1)}  # the latest collection's lines before its first board message
         self.has_board = {pid: False for pid in (0, 1)}
         self.done, self.result, self.forgiven = False, None, False
         self._collect()
@@ -136,6 +137,7 @@ class Game:
 
         state = self.base.state
         for pid in (0, 1):
+            self.before_board[pid], board_seen = "", False
             for sender, message, kind in state.observations.get(pid, []):
                 if kind == ObservationType.PROMPT:
                     self.rules[pid] += message.strip() + "\n"
@@ -148,8 +150,10 @@ class Game:
                     line = f"[{name}] {' '.join(message.split())}\n"
                 self.unread[pid] += line
                 if kind == ObservationType.GAME_BOARD and sender == GAME_ID:
-                    self.since_board[pid], self.has_board[pid] = line, True
+                    self.since_board[pid], self.has_board[pid], board_seen = line, True, True
                 else:
+                    if not board_seen:
+                        self.before_board[pid] += line
                     self.since_board[pid] += line
             state.observations[pid] = []
 
@@ -160,9 +164,11 @@ class Game:
     def move(self, action: str) -> None:
         """The current player makes ``action``; the game's messages are collected; at the end, its result. The
         player's view starts afresh after its move, unless it is to move again (a retry after an invalid move
-        TextArena forgave): then it keeps what it saw (its card, the legal moves) and adds what followed."""
+        TextArena forgave): then it keeps what it saw (its card, the legal moves) and adds what followed. In the
+        ``board`` view too: the board it moved on, then its rejected move and the game's reason (TextArena re-sends
+        the unchanged board after them, which would make the retry's prompt the first try's again)."""
         player = self.current_player
-        seen, seen_from_game = self.unread[player], self.from_game[player]
+        seen, seen_from_game, seen_board = self.unread[player], self.from_game[player], self.since_board[player]
         self.unread[player] = self.from_game[player] = ""
         with self._own_random():
             self.done, _ = self.env.step(action)
@@ -174,6 +180,7 @@ class Game:
         if not self.done and self.current_player == player:
             self.unread[player] = seen + self.unread[player]
             self.from_game[player] = seen_from_game + self.from_game[player]
+            self.since_board[player] = seen_board + self.before_board[player]
 
     def view(self, pid: int, kind: str = "since_move") -> str:
         """What player ``pid`` sees now: the rules, then the messages since its previous move (``since_move``) or
@@ -429,10 +436,16 @@ class TextArenaEnv(MultiAgentTextEnv):
             info["reward_by_role"] = {role: r - p for role, r, p in zip(self.roles, rewards, paid)}
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
-    def demonstrations(self, n: int, choose=None) -> list[dict]:
+    def demonstrations(self, n: int, choose=None, recovery_share: float = 0.0) -> list[dict]:
         """``n`` one-move transcripts of random legal play (both seats), in the game's own move format, each prompted
         exactly as training prompts that move (played through this env): a warm start towards legal play.
-        ``choose(state) -> move``: another player's moves instead (e.g. ``scripts/tictactoe_expert.py``'s best player)."""
+        ``choose(state) -> move``: another player's moves instead (e.g. ``scripts/tictactoe_expert.py``'s best player).
+        ``recovery_share``: the share of moves made after a rejected attempt: the mover first slips (:meth:`_slip`,
+        where the game forgives it) and the transcript is its move from the retry's prompt, which shows the rejected
+        move and the game's reason, so the warm start also shows what to do once a move is rejected (0: none, and the
+        same draws as without it)."""
+        if not 0.0 <= recovery_share <= 1.0:
+            raise ValueError(f"recovery_share must be in [0, 1], got {recovery_share!r}")
         transcripts = []
         while len(transcripts) < n:
             index = self.choose_task(None)
@@ -443,6 +456,8 @@ class TextArenaEnv(MultiAgentTextEnv):
                                  "own (--sft_data FILE.jsonl)")
             while not self.episode.done and self.episode.legal and len(transcripts) < n:
                 mover = self.turns.due[0]
+                if recovery_share and self.np_random.random() < recovery_share:
+                    self._slip(mover)
                 move = choose(self.episode) if choose else self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]
                 if self.self_play:  # the mover's view is its private observation; the history names the game
                     row = {"problem": self.game_id, "private": {self.roles[mover]: self.episode.views[mover]}}
@@ -452,3 +467,22 @@ class TextArenaEnv(MultiAgentTextEnv):
                 self.take_turn(mover, move)
                 self.step(self.turn_actions())
         return transcripts
+
+    def _slip(self, mover: int) -> bool:
+        """Agent ``mover`` (to move now) tries an invalid move, if the game forgives it: one of the game's earlier
+        moves that is not legal now (e.g. a taken cell), or a legal move cut short (e.g. ``[4``, a reply that ended too
+        soon), drawn with ``np_random``. Returns whether it slipped (else nothing happened: no candidate, or the game would
+        not have forgiven it)."""
+        state = self.episode
+        candidates = [m for m in dict.fromkeys(state.moves) if m not in state.legal]
+        candidates += [m[:-1] for m in state.legal if len(m) > 1 and m[:-1] not in state.legal]
+        if not candidates:
+            return False
+        slip = candidates[int(self.np_random.integers(len(candidates)))]
+        probe = self._game(state.game_seed, state.moves)
+        probe.move(slip)
+        if not probe.forgiven:
+            return False
+        self.take_turn(mover, slip)
+        self.step(self.turn_actions())
+        return True
