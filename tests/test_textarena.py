@@ -595,3 +595,56 @@ def test_the_game_view_flag_reaches_textarena_games_only():
     config.env.game_view = "since_move"  # the default is passed to no env: every env takes it
     config.env.env_name = "relay_sum"
     build_env_factories(config, load_profile(config.model.profile_path))[0]()
+
+
+def test_a_retry_in_the_board_view_is_told_its_move_was_rejected():
+    """TextArena re-sends the unchanged board after a rejected move; the retry's prompt must still differ from the first
+    try's, else a policy that slipped draws its second try from the same prompt (and a second slip loses the game)."""
+    env = make(TTT, split="test", profile="game_player", view="board")
+    env.reset(options={"task_index": 1})
+    env.step((legal_moves(env.episode.history)[0],))
+    first, taken = env.episode.history, env.episode.moves[0]
+    env.step((taken,))  # a taken cell: forgiven
+    retry = env.episode.history
+    assert env.episode.retries == (1,) and retry.startswith(first)
+    rejection = retry[len(first):]
+    assert rejection.startswith(f"[Player 1] {taken}\n[GAME] Player 1 attempted an invalid move. Reason: cell")
+    assert "Current Board" not in rejection and legal_moves(retry) == list(env.episode.legal)
+    env.step((env.episode.legal[0],))  # the retry's move is made: the next prompt starts afresh from the new board
+    assert not env.episode.done and "invalid" not in env.episode.history.lower()
+    assert env.episode.history.count("Current Board") == 1
+
+
+@pytest.mark.parametrize("view", ["since_move", "board"])
+def test_recovery_demonstrations_move_legally_after_a_rejected_attempt(view):
+    env = make(TTT, split="train", profile="game_player", view=view)
+    env.reset(seed=0)
+    demos = env.demonstrations(300, recovery_share=0.2)
+    rejected = re.compile(r"\[Player \d\] (.*)\n\[GAME\] Player \d attempted an invalid move")
+    recoveries = [d for d in demos if rejected.search(d["problem"])]
+    assert 0.12 * len(demos) < len(recoveries) < 0.28 * len(demos)
+    slips = collections.Counter()
+    for demo in recoveries:
+        (slip,), move = rejected.findall(demo["problem"]), demo["turns"][0]["text"]
+        assert slip not in legal_moves(demo["problem"]) and move in legal_moves(demo["problem"])
+        slips["cut short" if re.fullmatch(r"\[\d", slip) else "taken"] += 1
+        if view == "board":  # the board it moved on, its rejected move and the game's reason; no second board
+            assert demo["problem"].count("Current Board") == 1
+    assert slips["cut short"] > 0 and slips["taken"] > 0
+    assert drawn(60, view, recovery_share=0.0) == drawn(60, view)  # no share: the draws of the warm starts before it
+
+
+def drawn(n, view, **kwargs):
+    env = make(TTT, split="train", profile="game_player", view=view)
+    env.reset(seed=0)
+    return env.demonstrations(n, **kwargs)
+
+
+def test_a_recovery_share_is_refused_where_the_demonstrations_show_no_retries():
+    from marft.sft import demonstrations
+
+    assert len(demonstrations(lambda: make(TTT, split="train", profile="game_player"), 20, 0, recovery_share=0.5)) == 20
+    with pytest.raises(ValueError, match="--recovery_share is for environments whose demonstrations.*RouteEnv"):
+        demonstrations(lambda: make("route", split="train"), 20, 0, recovery_share=0.5)
+    with pytest.raises(ValueError, match=r"recovery_share must be in \[0, 1\]"):
+        make(TTT, split="train", profile="game_player").demonstrations(5, recovery_share=1.5)

@@ -76,7 +76,7 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(marft.launch, "build_runner", accept)
     monkeypatch.setattr(marft.launch, "build_team", accept)
     monkeypatch.setattr(marft.cli.sft, "build_team", accept)
-    monkeypatch.setattr(marft.cli.sft, "demonstrations", lambda make_env, n, seed: [])
+    monkeypatch.setattr(marft.cli.sft, "demonstrations", lambda make_env, n, seed, recovery_share=0.0: [])
 
 
 def base_flags(model_dir: str, run_dir: Path) -> list[str]:
