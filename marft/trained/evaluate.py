@@ -148,23 +148,38 @@ def evaluate(
         summary["orchestrator_calls"] = calls
     greedy_transcripts = None
     if greedy:
-        greedy_result, greedy_transcripts = _greedy(team, make_eval_env, min(total, tasks) if tasks else total, seed, config, profile, evaluate_episodes)
-        summary["greedy_accuracy"] = greedy_result["accuracy"]
-        greedy_games = game_figures(greedy_transcripts, [s.role for s in profile], perspective)
-        if greedy_games:  # a game's figures played greedily: a slip the sampler makes now and then, greedy play makes always or never
-            summary["greedy_games"] = greedy_games["games"]
+        greedy_figures, greedy_transcripts = _greedy_figures(team, make_eval_env, min(total, tasks) if tasks else total, seed, config,
+                                                             profile, perspective, evaluate_episodes)
+        summary.update(greedy_figures)
     summary["seconds"] = round(time.perf_counter() - start, 1)
-    backend = config.model.generation_backend
     if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split, sample count and sampler
-        output_dir = (checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
-                      / ((f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}")
-                         + (f"-versus-random-{versus_random.lower().replace(' ', '_')}" if versus_random else "")
-                         + (f"-versus-{Path(versus_checkpoint).name}-{versus_role.lower().replace(' ', '_')}" if versus_checkpoint else "")
-                         + ("" if backend == "decode_loop" else f"-{backend}")))
+        output_dir = _checkpoint_eval_dir(checkpoint, config, base_model, split, n, episodes, versus_random, versus_checkpoint, versus_role)
     out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts, greedy_transcripts)
     summary["output_dir"] = str(out)
     return summary
+
+
+def _greedy_figures(team, make_env, total: int, seed: int, config: TrainConfig, profile, perspective, evaluate_episodes) -> tuple[dict, list]:
+    """``greedy_accuracy`` and, for a game, ``greedy_games`` (a slip the sampler makes now and then, greedy play makes
+    always or never), with the greedy episodes' transcripts."""
+    result, transcripts = _greedy(team, make_env, total, seed, config, profile, evaluate_episodes)
+    figures = {"greedy_accuracy": result["accuracy"]}
+    games = game_figures(transcripts, [s.role for s in profile], perspective)
+    if games:
+        figures["greedy_games"] = games["games"]
+    return figures, transcripts
+
+
+def _checkpoint_eval_dir(checkpoint: Path, config: TrainConfig, base_model: bool, split: str, n: int, episodes: int | None,
+                         versus_random: str | None, versus_checkpoint, versus_role: str | None) -> Path:
+    """``<run dir>/eval/steps_<N>[-base_model]/<split>-n<n>`` (or ``-episodes<E>``), the opponent and the sampler named."""
+    backend = config.model.generation_backend
+    return (checkpoint.parent.parent / "eval" / (checkpoint.name + ("-base_model" if base_model else ""))
+            / ((f"{split}-n{n}" if episodes is None else f"{split}-episodes{episodes}")
+               + (f"-versus-random-{versus_random.lower().replace(' ', '_')}" if versus_random else "")
+               + (f"-versus-{Path(versus_checkpoint).name}-{versus_role.lower().replace(' ', '_')}" if versus_checkpoint else "")
+               + ("" if backend == "decode_loop" else f"-{backend}")))
 
 
 def _play(team, make_env, total: int, seed: int, config: TrainConfig, diagnostics: TeamDiagnostics, progress: bool, evaluate_episodes):
