@@ -468,21 +468,18 @@ class TextArenaEnv(MultiAgentTextEnv):
                 self.step(self.turn_actions())
         return transcripts
 
-    def _slip(self, mover: int) -> bool:
+    def _slip(self, mover: int) -> None:
         """Agent ``mover`` (to move now) tries an invalid move, if the game forgives it: one of the game's earlier
         moves that is not legal now (e.g. a taken cell), or a legal move cut short (e.g. ``[4``, a reply that ended too
-        soon), drawn with ``np_random``. Returns whether it slipped (else nothing happened: no candidate, or the game would
-        not have forgiven it)."""
+        soon), drawn with ``np_random``. Else (no candidate, or the game would not forgive it) nothing happens."""
         state = self.episode
         candidates = [m for m in dict.fromkeys(state.moves) if m not in state.legal]
         candidates += [m[:-1] for m in state.legal if len(m) > 1 and m[:-1] not in state.legal]
         if not candidates:
-            return False
+            return
         slip = candidates[int(self.np_random.integers(len(candidates)))]
-        probe = self._game(state.game_seed, state.moves)
+        probe = self._game(state.game_seed, state.moves)  # a replay: the game may take what looks invalid (TextArena adds brackets)
         probe.move(slip)
-        if not probe.forgiven:
-            return False
-        self.take_turn(mover, slip)
-        self.step(self.turn_actions())
-        return True
+        if probe.forgiven:
+            self.take_turn(mover, slip)
+            self.step(self.turn_actions())
