@@ -712,4 +712,10 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    from marft.faults import ExitCode, Preempted
+
+    try:
+        main(sys.argv[1:])
+    except Preempted as stop:  # SIGTERM / Ctrl-C during RL: the runner saved a checkpoint; no JSON line for a cut run
+        print(f"stopped: {stop} (with marft train; a stopped benchmark prints no JSON line)", file=sys.stderr)
+        sys.exit(ExitCode.PREEMPTED)

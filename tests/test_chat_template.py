@@ -220,6 +220,29 @@ def test_a_private_observation_longer_than_the_budget_loses_its_oldest_text(chat
     assert "The key is 7." in chat_tokenizer.decode(short) and prompts.cut_private_observations == 2
 
 
+@pytest.mark.parametrize("chat_template", ["auto", "none"])
+def test_a_history_longer_than_the_budget_is_cut_from_the_left_and_said_once(chat_tokenizer, chat_template, caplog):
+    """A shared history that does not fit (a game's rules and board under a retried move's messages) loses its
+    opening first and keeps its end (the latest board, the cue); the cut is counted per prompt and logged once,
+    naming how many tokens went. A history that fits is neither cut nor counted."""
+    prompts = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=96, chat_template=chat_template)
+    long_history = "Problem: RULES FIRST. " + "".join(f"Board {i}: the old moves. " for i in range(40)) + "LATEST BOARD 7\n"
+    with caplog.at_level("WARNING", logger="marft.agents.prompts"):
+        fits = prompts.encode_rows(0, HISTORIES[:1], EARLIER[:1])
+        assert prompts.cut_histories == 0 and not caplog.records
+        rows = prompts.encode_rows(0, [long_history] * 3, [[]] * 3)
+    assert prompts.cut_histories == 3
+    warnings = [r.getMessage() for r in caplog.records if "shared history" in r.getMessage()]
+    assert len(warnings) == 1 and "raise --context_window" in warnings[0]
+    whole = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=4096, chat_template=chat_template).encode_rows(0, [long_history], [[]])[0]
+    assert f"its first {len(whole) - 96} tokens" in warnings[0]
+    for row in rows:
+        text = chat_tokenizer.decode(row)
+        assert len(row) == 96 and "LATEST BOARD 7" in text and "RULES FIRST" not in text
+        assert row[:len(prompts.header_ids[0])] == prompts.header_ids[0] and row[-30:] == whole[-30:]
+    assert len(fits[0]) < 96
+
+
 def test_team_prompts_start_with_the_chat_header(chat_tokenizer, one_thread):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

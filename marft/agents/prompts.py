@@ -67,6 +67,9 @@ class PromptEncoder:
         self.max_prompt_len = max_prompt_len
         self.cut_private_observations = 0
         """Prompts whose private observation was cut from the left to leave the body its share of the budget."""
+        self.cut_histories = 0
+        """Prompts whose body (the shared history, the earlier replies, the cue) was cut from the left to fit: its
+        oldest text went, the problem's opening lines first (e.g. a game's rules under a long retried move)."""
         self.uses_chat_template = chat_template == "auto" and bool(getattr(tokenizer, "chat_template", None))
         """Whether prompts are rendered with the tokenizer's chat template (else the plain transcript)."""
         if self.uses_chat_template:
@@ -155,6 +158,12 @@ class PromptEncoder:
                                    spec.role, room - body_share, self.max_prompt_len)
                 self.cut_private_observations += 1
             budget = room - len(kept)
+            if len(ids) > budget:
+                if not self.cut_histories:
+                    logger.warning("the shared history of %r's prompt is longer than the prompt budget leaves it (%d tokens for %d): "
+                                   "its first %d tokens, the problem's opening first, are dropped (warned once per run: raise "
+                                   "--context_window to keep the problem whole)", spec.role, len(ids), budget, len(ids) - budget)
+                self.cut_histories += 1
             rows.append(header + kept + ids[-budget:] + suffix)
         return rows
 
