@@ -65,10 +65,12 @@ def machine_line(runs: list[dict]) -> str:
     elif len(readings) == 1:
         calibration = f"{readings[0]:.2f} s"
     else:
-        calibration = f"{readings[0]:.2f}–{readings[-1]:.2f} s (read before each row)"
+        calibration = f"{readings[0]:.2f}–{readings[-1]:.2f} s"
     notes = sorted({r["calibrate_note"] for r in runs if r.get("calibrate_note")})
-    if notes:
+    if notes:  # the rows' own notes say when each reading was taken
         calibration += f" ({'; '.join(notes)})"
+    elif len(readings) > 1:
+        calibration += " (read before each row)"
     return (f"Measured {run['date']} on {where}; Python {m['python']}, torch {m['torch']}; commit `{commit}`; "
             f"calibrate {calibration}.")
 

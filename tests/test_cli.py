@@ -170,6 +170,18 @@ def test_eval_replays_the_evaluation_training_printed(trained_run, capsys):
     assert set(summary["roles"]) == {"Reasoner", "Actor"} and summary["roles"]["Actor"]["turns"] == 6
 
 
+def test_more_episodes_than_tasks_are_said_to_revisit_them(trained_run, caplog):
+    assert marft(["eval", "--load_path", str(trained_run), "--episodes", "20", "--output_dir", str(trained_run / "e20")]) == 0
+    summary = json.loads((trained_run / "e20" / "summary.json").read_text())
+    tasks = [json.loads(line)["task"] for line in (trained_run / "e20" / "transcripts.jsonl").read_text().splitlines()]
+    assert summary["episodes"] == 20 and summary["distinct_tasks"] == len(set(tasks)) == 18
+    assert any("revisits the 18 tasks" in r.getMessage() and "18 distinct tasks, not 20" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    assert marft(["eval", "--load_path", str(trained_run), "--episodes", "18", "--output_dir", str(trained_run / "e18")]) == 0
+    assert json.loads((trained_run / "e18" / "summary.json").read_text())["distinct_tasks"] == 18
+    assert not any("revisits" in r.getMessage() for r in caplog.records)
+
+
 def test_eval_reports_pass_at_k_per_task(trained_run):
     assert marft(["eval", "--load_path", str(trained_run), "--n", "2", "--k", "1,2"]) == 0
     summary = json.loads((trained_run / "eval" / "steps_2" / "test-n2" / "summary.json").read_text())  # per checkpoint, split, n

@@ -19,7 +19,8 @@ def build_parser():
     p.add_argument("--split", default="test", help="the split to evaluate: test, or a folder's <split>.jsonl (e.g. test500)")
     p.add_argument("--n", type=int, default=1, help="samples per task")
     p.add_argument("--k", type=int_list, help="pass@k for these k (comma-separated, each at most --n; default 1)")
-    p.add_argument("--episodes", type=int, help="play this many episodes (task = episode %% tasks) instead of --n per task; "
+    p.add_argument("--episodes", type=int, help="play this many episodes (task = episode %% tasks: more episodes than the split's "
+                   "tasks revisit them with fresh samples, distinct_tasks in summary.json) instead of --n per task; "
                    "with the run's --eval_episodes it replays the evaluation training printed")
     p.add_argument("--greedy", action="store_true", help="also play greedily (top-k 1), once per task played: greedy_accuracy (and a game's greedy_games) in summary.json")
     p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")

@@ -137,11 +137,16 @@ def evaluate(
     if episodes is None and not tasks:
         raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
     total = episodes if episodes is not None else n * tasks
+    if episodes is not None and tasks and episodes > tasks:
+        logger.warning("--episodes %d revisits the %d tasks of the %r split (episode k plays task k %% %d, with fresh samples): "
+                       "%d distinct tasks, not %d%s", episodes, tasks, split, tasks, tasks, episodes,
+                       "" if split == "train" else "; --split train plays others")
     start = time.perf_counter()
     diagnostics = TeamDiagnostics([s.role for s in profile])
     result, transcripts = _play(team, make_eval_env, total, seed, config, diagnostics, progress, evaluate_episodes)
     summary = _summary(config, None if base_model else checkpoint, transcripts, result, tasks if episodes is None else None, n, k, seed,
                        [s.role for s in profile], split)
+    summary["distinct_tasks"] = min(total, tasks) if tasks else total  # tasks played at least once (episodes without tasks: all distinct)
     summary.update(game_figures(transcripts, [s.role for s in profile], perspective))
     calls = diagnostics.call_distribution()
     if calls:  # an orchestrated team: whom the orchestrator called per step, and the share of invalid replies
