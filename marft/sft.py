@@ -4,6 +4,7 @@ Data are multi-agent transcripts, one episode per JSONL line::
 
     {"problem": "Agree on one word: apple, river, stone, cloud.",
      "private": {"Reasoner": "x = 7"},                         # optional: what a role alone sees
+     "kept_heads": {"Reasoner": "x = 7"},                      # optional: the opening a cut prompt keeps whole
      "turns": [{"role": "Agent 1", "text": "PICK: river"},
                {"role": "Agent 2", "text": "PICK: river"},
                {"role": "Judge", "text": "Try again."}, ...]}  # optional judge feedback between team steps
@@ -112,8 +113,9 @@ def check_transcript(row: dict) -> dict:
     for turn in row["turns"]:
         if not isinstance(turn.get("role"), str) or not isinstance(turn.get("text"), str):
             raise ValueError(f"a turn needs 'role' and 'text' strings, got {turn!r}")
-    if not isinstance(row.get("private", {}), dict):
-        raise ValueError("'private' must map roles to texts")
+    for key in ("private", "kept_heads"):
+        if not isinstance(row.get(key, {}), dict):
+            raise ValueError(f"'{key}' must map roles to texts")
     return row
 
 
@@ -137,7 +139,7 @@ def turn_examples(
     examples = []
     for transcript in transcripts:
         history, step_turns = format_problem(transcript["problem"]), []
-        private = transcript.get("private", {})
+        private, heads = transcript.get("private", {}), transcript.get("kept_heads", {})
         for turn in transcript["turns"]:
             role, text = turn["role"], turn["text"]
             if role == JUDGE_ROLE:
@@ -153,7 +155,7 @@ def turn_examples(
             if agent == 0 and step_turns:  # a new team step
                 history += "".join(format_turn(r, t) for r, t in step_turns)
                 step_turns = []
-            (prompt_ids,) = prompts.encode_rows(agent, [history], [list(step_turns)], [private.get(role, "")])
+            (prompt_ids,) = prompts.encode_rows(agent, [history], [list(step_turns)], [private.get(role, "")], [heads.get(role, "")])
             reply = prompts.encode_reply(text) + [eos_id]
             examples.append(TurnExample(agent, prompt_ids, reply[:max_reply_tokens]))
             step_turns.append((role, text))

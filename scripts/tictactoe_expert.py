@@ -159,10 +159,12 @@ def move_value(board: Board, cell: int, me: int) -> float:
     return 0.0 if board[cell] else win_probability(play(board, cell, me), 1 - me, me)
 
 
-def cell_log_probs(checkpoint: str, problems: list[str], batch_positions: int = 16) -> torch.Tensor:
+def cell_log_probs(checkpoint: str, problems: list[str], batch_positions: int = 16, heads: dict[str, str] | None = None) -> torch.Tensor:
     """``(N, 9)``: log-probabilities of the replies ``[0]`` … ``[8]`` to each prompt under ``checkpoint``'s player,
     each reply scored as the warm start scores it (:func:`marft.sft.reply_nll`: its tokens as the team samples them,
-    cut to ``--max_new_tokens``), normalised over the nine."""
+    cut to ``--max_new_tokens``), normalised over the nine; ``heads``: per problem, its demonstration's
+    ``kept_heads`` (the rules a cut prompt keeps)."""
+    heads = heads or {}
     import torch
 
     from marft.sft import reply_nll, turn_examples
@@ -173,7 +175,8 @@ def cell_log_probs(checkpoint: str, problems: list[str], batch_positions: int = 
     if len(profile) != 1:
         raise ValueError(f"--grade scores a one-agent player (--profile_path game_player); {checkpoint} is a team of {len(profile)}")
     role = profile[0].role
-    rows = [{"problem": problem, "turns": [{"role": role, "text": f"[{cell}]"}]} for problem in problems for cell in range(9)]
+    rows = [{"problem": problem, "kept_heads": {role: heads.get(problem, "")}, "turns": [{"role": role, "text": f"[{cell}]"}]}
+            for problem in problems for cell in range(9)]
     examples = turn_examples(team.prompts, rows, eos_id=team.eos_id, max_reply_tokens=config.model.max_new_tokens)
     adapter, scores = team.agent_adapters[0], []
     with torch.no_grad():
@@ -199,9 +202,11 @@ def grade(checkpoint: str, positions: int, seed: int, sft_data: str | None = Non
     if config.env.env_name.removeprefix("textarena:").split("-")[0] != "TicTacToe":
         raise ValueError(f"--grade scores Tic-Tac-Toe players; {checkpoint} trained on {config.env.env_name}")
     view = config.env.game_view
-    problems = sorted({row["problem"] for row in demonstrations(positions, seed, view)})
+    rows = demonstrations(positions, seed, view)
+    heads = {row["problem"]: next(iter(row.get("kept_heads", {}).values()), "") for row in rows}
+    problems = sorted(heads)
     seen = {json.loads(line)["problem"] for line in Path(sft_data).read_text().splitlines() if line.strip()} if sft_data else set()
-    log_probs = cell_log_probs(checkpoint, problems)  # (N, 9)
+    log_probs = cell_log_probs(checkpoint, problems, heads=heads)  # (N, 9)
     groups: dict[str, list[tuple[float, float, float, float]]] = {}
     for problem, row in zip(problems, log_probs.exp()):
         board, seat = board_in_prompt(problem)

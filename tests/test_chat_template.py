@@ -235,12 +235,57 @@ def test_a_history_longer_than_the_budget_is_cut_from_the_left_and_said_once(cha
     warnings = [r.getMessage() for r in caplog.records if "shared history" in r.getMessage()]
     assert len(warnings) == 1 and "raise --context_window" in warnings[0]
     whole = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=4096, chat_template=chat_template).encode_rows(0, [long_history], [[]])[0]
-    assert f"its first {len(whole) - 96} tokens" in warnings[0]
+    assert f"{len(whole) - 96} tokens are dropped, the problem's opening first" in warnings[0]
     for row in rows:
         text = chat_tokenizer.decode(row)
         assert len(row) == 96 and "LATEST BOARD 7" in text and "RULES FIRST" not in text
         assert row[:len(prompts.header_ids[0])] == prompts.header_ids[0] and row[-30:] == whole[-30:]
     assert len(fits[0]) < 96
+
+
+@pytest.mark.parametrize("chat_template", ["auto", "none"])
+def test_a_kept_head_stays_whole_when_the_history_is_cut(chat_tokenizer, chat_template, caplog):
+    """A head the environment keeps (a game's rules opening the history) survives the cut: the prompt is the header,
+    the head's tokens, then the latest text (the same tail as without a head); a prompt that fits is the same ids
+    with or without a head; a head that does not open the history is refused."""
+    prompts = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=96, chat_template=chat_template)
+    rules = "Problem: RULES FIRST: you are O."
+    long_history = rules + " " + "".join(f"Board {i}: the old moves. " for i in range(40)) + "LATEST BOARD 7\n"
+    (plain,) = prompts.encode_rows(0, [long_history], [[]])
+    prompts = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=96, chat_template=chat_template)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="marft.agents.prompts"):
+        (kept,) = prompts.encode_rows(0, [long_history], [[]], heads=[rules])
+    header, head_ids = prompts.header_ids[0], prompts.encode_text(rules)
+    assert len(kept) == len(plain) == 96 and "RULES FIRST" not in chat_tokenizer.decode(plain)
+    assert kept[:len(header)] == header and kept[len(header):len(header) + len(head_ids)] == head_ids
+    text = chat_tokenizer.decode(kept)
+    assert "RULES FIRST: you are O." in text and "LATEST BOARD 7" in text and "Board 0:" not in text
+    assert kept[-30:] == plain[-30:]
+    (warning,) = [r.getMessage() for r in caplog.records if "shared history" in r.getMessage()]
+    assert "the oldest after the head the environment keeps" in warning and prompts.cut_histories == 1
+    assert prompts.encode_rows(0, HISTORIES[:1], EARLIER[:1], heads=[HISTORIES[0][:20]]) == prompts.encode_rows(0, HISTORIES[:1], EARLIER[:1])
+    assert prompts.encode_rows(0, [long_history], [[]], heads=[long_history[:-20]]) == [plain]  # a head over half the room is cut like the rest
+    with pytest.raises(ValueError, match="does not open its history"):
+        prompts.encode_rows(0, [long_history], [[]], heads=["RULES FIRST"])
+
+
+@pytest.mark.parametrize("chat_template", ["auto", "none"])
+def test_a_kept_head_of_a_private_observation_stays_whole_when_it_is_cut(chat_tokenizer, chat_template):
+    """Self-play: the rules open each seat's private view; a view that crowds out the body keeps them and its latest
+    text; the head is matched against the private observation, not the history."""
+    prompts = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=96, chat_template=chat_template)
+    rules = "RULES: you are Player 1, X."
+    view = rules + " " + "".join(f"Board {i}: the old moves. " for i in range(40)) + "LATEST BOARD 7"
+    (plain,) = prompts.encode_rows(1, HISTORIES[:1], EARLIER[:1], [view])
+    (kept,) = prompts.encode_rows(1, HISTORIES[:1], EARLIER[:1], [view], heads=[rules])
+    header = prompts.header_ids[1]
+    assert len(kept) == len(plain) == 96 and kept[len(header):len(header) + len(prompts.encode_text(rules))] == prompts.encode_text(rules)
+    text = chat_tokenizer.decode(kept)
+    assert "you are Player 1, X." in text and "LATEST BOARD 7" in text and "Board 0:" not in text
+    assert "you are Player 1" not in chat_tokenizer.decode(plain) and kept[-20:] == plain[-20:]
+    with pytest.raises(ValueError, match="does not open its private observation"):
+        prompts.encode_rows(1, HISTORIES[:1], EARLIER[:1], [view], heads=[HISTORIES[0][:10]])
 
 
 def test_team_prompts_start_with_the_chat_header(chat_tokenizer, one_thread):

@@ -648,3 +648,69 @@ def test_a_recovery_share_is_refused_where_the_demonstrations_show_no_retries():
         demonstrations(lambda: make("route", split="train"), 20, 0, recovery_share=0.5)
     with pytest.raises(ValueError, match=r"recovery_share must be in \[0, 1\]"):
         make(TTT, split="train", profile="game_player").demonstrations(5, recovery_share=1.5)
+
+
+@pytest.mark.parametrize("profile", ["game_player", "game_seats"])
+def test_a_prompt_cut_to_the_context_window_keeps_the_rules_and_the_latest_board(random_model_dir, profile):
+    """The issue's "truncated from the front, keeping the game rules and the latest board": in the default view a
+    late Tic-Tac-Toe prompt overflows a small window; the rules (its seat's mark) stay, then the latest board and legal
+    moves; the oldest messages go. Rollouts (``play_team_step``), the warm start's demonstrations and a checkpoint's
+    resumed state prompt the move with the same ids."""
+    from transformers import AutoTokenizer
+
+    from marft.agents.prompts import PromptEncoder
+    from marft.envs.profile import AgentSpec
+    from marft.sft import turn_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(random_model_dir)
+    env = make(TTT, split="train", profile=profile)
+    env.reset(options={"task_index": 0})
+    for _ in range(2):  # two moves each: ~570-590 tokens of view, ~200 of them the rules
+        if profile == "game_seats":
+            env.take_turn(env.turns.due[0], env.episode.legal[-1])
+        env.step(env.turn_actions() if profile == "game_seats" else (env.episode.legal[-1],))
+    assert not env.episode.done
+    mover = env.turns.due[0] if profile == "game_seats" else 0
+    view = env.private_observations()[mover] or env.episode.history
+    head = env.kept_heads()[mover]
+    seat = env.seat_of(mover, env.episode)
+    assert head.strip().removeprefix("Problem: ").startswith(f"You are Player {seat} in Tic Tac Toe") and f"As Player {seat}" in head
+    assert view.strip().startswith(head.strip())
+    encoder = PromptEncoder(tokenizer, [AgentSpec(role) for role in env.roles], max_prompt_len=2 * len(tokenizer(head).input_ids) + 60)
+    histories, private = [env.episode.history], [env.private_observations()[mover]]
+    (plain,) = encoder.encode_rows(mover, histories, [[]], private)
+    (kept,) = encoder.encode_rows(mover, histories, [[]], private, [head])
+    text = tokenizer.decode(kept)
+    assert len(kept) == len(plain) == encoder.max_prompt_len and encoder.cut_histories + encoder.cut_private_observations == 2
+    assert f"You are Player {seat} in Tic Tac Toe" not in tokenizer.decode(plain)  # the plain cut loses the rules' opening
+    assert f"You are Player {seat} in Tic Tac Toe" in text and f"As Player {seat}, you will be" in text
+    latest = view[view.rindex("Available Moves"):].strip()
+    assert latest in text and kept[-20:] == plain[-20:]
+    # the warm start prompts a demonstrated move as training does: with the rules kept
+    demo = {"problem": env.episode.history.removeprefix("Problem: ").rstrip("\n") if profile == "game_player" else env.game_id,
+            "private": {env.roles[mover]: private[0]} if private[0] else {}, "kept_heads": {env.roles[mover]: head},
+            "turns": [{"role": env.roles[mover], "text": env.episode.legal[0]}]}
+    (example,) = turn_examples(encoder, [demo], eos_id=0)
+    assert example.prompt_ids == kept
+    # a rollout's turn hands the team the env's heads with its texts (the team encodes them as above)
+    from types import SimpleNamespace
+
+    from marft.rollout.turns import play_team_step
+
+    asked = []
+
+    class Team:
+        has_critic = False
+
+        def act(self, agent, histories, earlier_turns, private, heads):
+            asked.append((agent, list(histories), list(private), list(heads)))
+            return SimpleNamespace(texts=[env.episode.legal[0]] * len(histories))
+
+    play_team_step(Team(), [env], [env.episode.history], [tuple(env.private_observations())])
+    assert asked == [(mover, histories, private, [head])]
+    demos = env.demonstrations(12)
+    assert all(d["kept_heads"][d["turns"][0]["role"]].strip() for d in demos)
+    restored = make(TTT, split="train", profile=profile)
+    restored.reset(options={"task_index": 5})
+    restored.load_state_dict(json.loads(json.dumps(env.state_dict())))
+    assert restored.kept_heads() == env.kept_heads()

@@ -88,7 +88,7 @@ def test_grading_compares_the_checkpoints_likeliest_move_with_the_best_ones(monk
     data = tmp_path / "seen.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows[:10]))
 
-    def best_player(checkpoint, prompts):
+    def best_player(checkpoint, prompts, heads=None):
         probs = torch.zeros(len(prompts), 9)
         for i, problem in enumerate(prompts):
             best = expert.best_cells(*expert.board_in_prompt(problem))
@@ -102,7 +102,7 @@ def test_grading_compares_the_checkpoints_likeliest_move_with_the_best_ones(monk
     seen = {row["problem"] for row in rows[:10]}
     assert (figures["seen"]["positions"], figures["unseen"]["positions"]) == (len(seen), len(problems) - len(seen))
 
-    def occupied_cell(checkpoint, prompts):
+    def occupied_cell(checkpoint, prompts, heads=None):
         probs = torch.full((len(prompts), 9), 1e-9)
         for i, problem in enumerate(prompts):
             board, _ = expert.board_in_prompt(problem)

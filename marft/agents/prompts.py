@@ -6,7 +6,9 @@ replies + cue]`` (``marft.prompting``); the header is kept whole, the history is
 the prompt budget. The private observation is kept whole too, unless it would leave the body less than a
 quarter of the room (or the whole body, if shorter): then its oldest text goes, as the history's does
 (e.g. a self-play game seat's view grown by retried moves: its latest board stays), and a warning says so
-once per encoder.
+once per encoder. A head the environment keeps (``MultiAgentTextEnv.kept_heads``: e.g. a game's rules, which
+open the history or the private observation) stays whole when it takes at most half of what its part may
+keep: the oldest text after it goes instead. Prompts that fit are the same ids with or without a head.
 
 With a chat template (``--chat_template auto`` and a tokenizer that has one) the same parts are one chat:
 ``[template up to the user content: system turn = role prompt][private observation][shared history +
@@ -128,6 +130,7 @@ class PromptEncoder:
         histories: Sequence[str],
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
+        heads: Sequence[str] | None = None,
     ) -> list[list[int]]:
         """Agent ``agent``'s prompts as unpadded id lists, each ≤ ``max_prompt_len``:
         ``header_ids[agent] + private + body + suffix_ids[agent]``, the body cut from the left.
@@ -136,6 +139,11 @@ class PromptEncoder:
             histories: per prompt, the environment's shared observation.
             earlier_turns: per prompt, ``(role, reply)`` of the agents that already spoke this step.
             private: per prompt, text only this agent sees (None: nothing).
+            heads: per prompt, the text that opens its private observation (when it has one) or else its history
+                and that a cut keeps whole (``MultiAgentTextEnv.kept_heads``; "" or None: none).
+
+        Raises:
+            ValueError: a head that does not open the text it belongs to.
         """
         spec = self.profile[agent]
         if self.uses_chat_template:
@@ -143,29 +151,57 @@ class PromptEncoder:
         else:
             bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
         header, suffix = self.header_ids[agent], self.suffix_ids[agent]
+        private_texts = [format_private(text) for text in private] if private is not None else [""] * len(bodies)
         private_ids = [[] for _ in bodies]
-        if private is not None and any(private):
-            private_ids = self.tokenizer([format_private(text) for text in private], add_special_tokens=False).input_ids
+        if any(private_texts):
+            private_ids = self.tokenizer(private_texts, add_special_tokens=False).input_ids
         room = self.max_prompt_len - len(header) - len(suffix)  # > 0, checked in __init__
         rows = []
-        for kept, ids in zip(private_ids, self.tokenizer(bodies, add_special_tokens=False).input_ids):
+        for row, (kept, ids) in enumerate(zip(private_ids, self.tokenizer(bodies, add_special_tokens=False).input_ids)):
+            private_head, body_head = self._place_head(spec.role, heads[row] if heads is not None else "", private_texts[row], bodies[row])
             body_share = min(len(ids), max(1, room // 4))
             if len(kept) + body_share > room:  # the private observation's oldest text goes, the body keeps its share
-                kept = kept[len(kept) - (room - body_share):]
+                kept = self.cut_left(kept, private_texts[row], private_head, room - body_share)
                 if not self.cut_private_observations:
                     logger.warning("the private observation of %r is longer than the prompt budget leaves it (%d of %d tokens): "
-                                   "its oldest text is cut (once per run: raise --context_window to keep it whole)",
-                                   spec.role, room - body_share, self.max_prompt_len)
+                                   "its oldest text is cut%s (once per run: raise --context_window to keep it whole)", spec.role,
+                                   room - body_share, self.max_prompt_len, ", after the head the environment keeps" if private_head else "")
                 self.cut_private_observations += 1
             budget = room - len(kept)
             if len(ids) > budget:
                 if not self.cut_histories:
                     logger.warning("the shared history of %r's prompt is longer than the prompt budget leaves it (%d tokens for %d): "
-                                   "its first %d tokens, the problem's opening first, are dropped (warned once per run: raise "
-                                   "--context_window to keep the problem whole)", spec.role, len(ids), budget, len(ids) - budget)
+                                   "%d tokens are dropped, %s first (warned once per run: raise --context_window to keep the "
+                                   "problem whole)", spec.role, len(ids), budget, len(ids) - budget,
+                                   "the oldest after the head the environment keeps (e.g. a game's rules)" if body_head
+                                   else "the problem's opening")
                 self.cut_histories += 1
-            rows.append(header + kept + ids[-budget:] + suffix)
+                ids = self.cut_left(ids, bodies[row], body_head, budget)
+            rows.append(header + kept + ids + suffix)
         return rows
+
+    @staticmethod
+    def _place_head(role: str, head: str, private_text: str, body: str) -> tuple[str, str]:
+        """``(private head, body head)``: a kept head belongs to the private observation when there is one, else to
+        the body; it must open it (ValueError otherwise)."""
+        if head and not (private_text or body).startswith(head):
+            part = "private observation" if private_text else "history"
+            raise ValueError(f"the kept head {head[:60]!r} of {role!r}'s prompt does not open its {part} "
+                             f"({(private_text or body)[:60]!r}): kept_heads must return the text's opening")
+        return (head, "") if private_text else ("", head)
+
+    def cut_left(self, ids: list[int], text: str, head: str, budget: int) -> list[int]:
+        """``ids`` (``text``'s tokens) cut to their last ``budget``, or, when ``text`` opens with a ``head`` that takes
+        at most half of ``budget``, to that head's tokens and the last of the rest's (tokenised apart: only a prompt
+        that is cut differs from the text's own tokens)."""
+        if budget <= 0:
+            return []
+        if head:
+            head_ids = self.encode_text(head)
+            if len(head_ids) <= budget // 2:
+                rest = self.encode_text(text[len(head):])
+                return head_ids + rest[max(0, len(rest) - (budget - len(head_ids))):]
+        return ids[max(0, len(ids) - budget):]
 
     def encode(
         self,
@@ -174,6 +210,7 @@ class PromptEncoder:
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
         pad_id: int = 0,
+        heads: Sequence[str] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`encode_rows`, left-padded: ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, P ≤ ``max_prompt_len``."""
-        return left_pad(self.encode_rows(agent, histories, earlier_turns, private), pad_id)
+        return left_pad(self.encode_rows(agent, histories, earlier_turns, private, heads), pad_id)

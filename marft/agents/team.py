@@ -165,10 +165,11 @@ class AgentTeam(nn.Module):
         histories: Sequence[str],
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
+        heads: Sequence[str] | None = None,
     ):
-        """Agent ``agent``'s prompts (:meth:`PromptEncoder.encode`) on the team's device:
-        ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, left-padded, P ≤ max_prompt_len."""
-        ids, mask = self.prompts.encode(agent, histories, earlier_turns, private, pad_id=self.pad_id)
+        """Agent ``agent``'s prompts (:meth:`PromptEncoder.encode`; ``heads``: what a cut keeps, per prompt) on the
+        team's device: ``prompt_ids (B, P)`` and ``prompt_mask (B, P)``, left-padded, P ≤ max_prompt_len."""
+        ids, mask = self.prompts.encode(agent, histories, earlier_turns, private, pad_id=self.pad_id, heads=heads)
         return ids.to(self.device), mask.to(self.device)
 
     def response_logprobs(
@@ -254,10 +255,11 @@ class AgentTeam(nn.Module):
         histories: Sequence[str],
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
+        heads: Sequence[str] | None = None,
     ) -> TurnOutput:
         """Agent ``agent`` replies to every history in the batch: prompts encoded, replies sampled and scored
         (no critic values: :func:`marft.rollout.turns.play_team_step` adds them)."""
-        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private)
+        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private, heads)
         adapter = self.agent_adapters[agent]
         replies = self.sample(adapter, prompt_ids, prompt_mask, agent)
         logprobs = replies.logprobs

@@ -234,6 +234,14 @@ class MultiAgentTextEnv(gym.Env):
         """
         return [""] * self.n_agents
 
+    def kept_heads(self) -> list[str]:
+        """Per agent, the text its prompt's observation opens with (its private observation when it has one, else
+        the shared history) that a prompt cut to the context window keeps whole, e.g. a game's rules: the oldest
+        text after it goes first. "" (the default): the oldest text goes first, the problem's opening included.
+        A head longer than half of the prompt's room is cut like the rest. (The critic's value of the last
+        observation of an episode cut short by ``truncated`` cuts it plainly: the env has moved on by then.)"""
+        return [""] * self.n_agents
+
     # ---- gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:

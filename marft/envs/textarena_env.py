@@ -13,8 +13,10 @@ on this agent's invalid move, as TextArena rules it).
 What the agent sees (``view``): the game's rules (its first message) and the messages since its previous move (the
 opponent's move, the board, the legal moves: ``since_move``, the default), so the prompt stays short however long the
 game; or the rules and the latest board only (``board``: the board message and what followed it, as TextArena's
-``GameBoardObservationWrapper`` shows a game), so one position is one prompt however it was reached. The env's state
-is the seed and the moves so far, replayed when needed, so it is pure, checkpointable and exactly resumable.
+``GameBoardObservationWrapper`` shows a game), so one position is one prompt however it was reached. A prompt cut
+to the context window keeps the rules (:meth:`TextArenaEnv.kept_heads`) and drops the oldest messages after them.
+The env's state is the seed and the moves so far, replayed when needed, so it is pure, checkpointable and exactly
+resumable.
 
 TextArena is optional: ``pip install "marft[games]"``.
 """
@@ -83,12 +85,16 @@ class GameState(EpisodeState):
     """Per agent, its invalid moves TextArena forgave (the agent tried again); charged when the horizon cuts a game."""
     opponent_moves: int = 0
     """Moves the fixed opponent made: its k-th choice is drawn from a generator seeded by (game seed, k)."""
+    rules: tuple[str, ...] = ()
+    """Each player id's rules (the game's opening messages to it, stripped), which open its view: what a prompt cut
+    to the context window keeps (:meth:`TextArenaEnv.kept_heads`; empty in checkpoints from before it)."""
 
     def __post_init__(self):
         object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives lists
         object.__setattr__(self, "views", tuple(self.views))
         object.__setattr__(self, "legal", tuple(self.legal))
         object.__setattr__(self, "retries", tuple(self.retries))
+        object.__setattr__(self, "rules", tuple(self.rules))
 
 
 class Game:
@@ -320,6 +326,17 @@ class TextArenaEnv(MultiAgentTextEnv):
             return list(self.episode.views)
         return [""] * self.n_agents
 
+    def kept_heads(self) -> list[str]:
+        """The rules of each agent's seat, which open its view (self-play: its private observation; against a fixed
+        opponent: the history, ``format_problem`` of the view): a prompt cut to the context window keeps them and
+        drops the oldest messages after them, so the latest board stays too."""
+        state = self.episode
+        if state is None or not state.rules:
+            return [""] * self.n_agents
+        if self.self_play:
+            return [state.rules[self.seat_of(agent, state)] for agent in range(self.n_agents)]
+        return [format_problem(state.rules[state.seat]) if state.rules[state.seat] else ""]
+
     def play_randomly(self, roles) -> None:
         """Self-play: let the random-legal-move player move for ``roles`` (e.g. to evaluate each agent against it);
         takes effect at the next reset.
@@ -374,7 +391,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         if state is None:
             return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
                              moves=moves, to_move=to_move, views=views, legal=legal, retries=(0,) * self.n_agents,
-                             opponent_moves=made)
+                             opponent_moves=made, rules=tuple(game.rules[pid].strip() for pid in (0, 1)))
         return replace(state, history=history, moves=moves, to_move=to_move, views=views, legal=legal, opponent_moves=made)
 
     # ---- marft's hooks
@@ -463,6 +480,7 @@ class TextArenaEnv(MultiAgentTextEnv):
                     row = {"problem": self.game_id, "private": {self.roles[mover]: self.episode.views[mover]}}
                 else:  # the view is the history (format_problem(view))
                     row = {"problem": self.episode.history.removeprefix("Problem: ").rstrip("\n")}
+                row["kept_heads"] = {self.roles[mover]: self.kept_heads()[mover]}  # what a cut keeps, as in training
                 transcripts.append({**row, "turns": [{"role": self.roles[mover], "text": move}], "task": index})
                 self.take_turn(mover, move)
                 self.step(self.turn_actions())

@@ -124,7 +124,8 @@ class RolloutCollector:
                 self.episode_returns[e] = 0.0
         if needs.values and not buffer.dones[T - 1].all():  # the value of each env's next turn bootstraps unfinished episodes
             with torch.no_grad():
-                buffer.values[T, :, 0] = self.first_turn_values(self.obs, self.envs.private_observations)
+                buffer.values[T, :, 0] = self.first_turn_values(self.obs, self.envs.private_observations,
+                                                                [base.kept_heads() for base in self.envs.bases])
         seconds = time.perf_counter() - start
         stats = {"charts/rollout_tokens_per_s": tokens / max(seconds, 1e-9), "charts/rollout_seconds": seconds}
         if finished_returns:
@@ -136,11 +137,13 @@ class RolloutCollector:
         return buffer, stats
 
     @torch.no_grad()
-    def first_turn_values(self, observations, private) -> torch.Tensor:
+    def first_turn_values(self, observations, private, heads=None) -> torch.Tensor:
         """``(B,)`` the critic's value of each observation as the first turn of a team step (its workflow's first
-        speaker: agent 0 in profile order, the orchestrator when there is one)."""
+        speaker: agent 0 in profile order, the orchestrator when there is one); ``heads``: per env, its
+        ``kept_heads()`` (None: none, for final observations, whose env has moved on)."""
         first = self.envs.bases[0].workflow.first_speaker
-        prompt_ids, prompt_mask = self.team.encode_prompts(first, list(observations), [[] for _ in observations], [texts[first] for texts in private])
+        prompt_ids, prompt_mask = self.team.encode_prompts(first, list(observations), [[] for _ in observations], [texts[first] for texts in private],
+                                                           None if heads is None else [texts[first] for texts in heads])
         return self.team.critic.values(prompt_ids, prompt_mask, agent=first).float().cpu()
 
     @torch.no_grad()

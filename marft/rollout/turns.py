@@ -61,7 +61,8 @@ def play_team_step(
         moment = []
         for agent in sorted(due):  # every agent's prompts are built before anyone's reply is recorded
             rows = due[agent]
-            out = team.act(agent, [histories[r] for r in rows], [envs[r].visible_turns(agent) for r in rows], [private[r][agent] for r in rows])
+            out = team.act(agent, [histories[r] for r in rows], [envs[r].visible_turns(agent) for r in rows], [private[r][agent] for r in rows],
+                           [envs[r].kept_heads()[agent] for r in rows])
             moment.append(PlayedBatch(agent, rows, out, moment=n_moments))
         for batch in moment:
             for row, text in zip(batch.rows, batch.out.texts):

@@ -134,13 +134,7 @@ def evaluate(
     team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
     make_eval_env, perspective = opponent(team, config, make_eval_env, versus_random, versus_checkpoint, versus_role)
     tasks = make_eval_env().unwrapped.num_tasks
-    if episodes is None and not tasks:
-        raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
-    total = episodes if episodes is not None else n * tasks
-    if episodes is not None and tasks and episodes > tasks:
-        logger.warning("--episodes %d revisits the %d tasks of the %r split (episode k plays task k %% %d, with fresh samples): "
-                       "%d distinct tasks, not %d%s", episodes, tasks, split, tasks, tasks, episodes,
-                       "" if split == "train" else "; --split train plays others")
+    total = _episode_count(config, tasks, n, episodes, split)
     start = time.perf_counter()
     diagnostics = TeamDiagnostics([s.role for s in profile])
     result, transcripts = _play(team, make_eval_env, total, seed, config, diagnostics, progress, evaluate_episodes)
@@ -163,6 +157,21 @@ def evaluate(
     _write(out, summary, transcripts, greedy_transcripts)
     summary["output_dir"] = str(out)
     return summary
+
+
+def _episode_count(config: TrainConfig, tasks: int | None, n: int, episodes: int | None, split: str) -> int:
+    """The episodes to play: ``episodes``, or ``n`` per task; more episodes than tasks revisit them (warned).
+
+    Raises:
+        ValueError: ``n`` per task of an env without held-out tasks.
+    """
+    if episodes is None and not tasks:
+        raise ValueError(f"--env_name {config.env.env_name} sets no num_tasks (no fixed held-out tasks): pass --episodes instead of --n")
+    if episodes is not None and tasks and episodes > tasks:
+        logger.warning("--episodes %d revisits the %d tasks of the %r split (episode k plays task k %% %d, with fresh samples): "
+                       "%d distinct tasks, not %d%s", episodes, tasks, split, tasks, tasks, episodes,
+                       "" if split == "train" else "; --split train plays others")
+    return episodes if episodes is not None else n * tasks
 
 
 def _greedy_figures(team, make_env, total: int, seed: int, config: TrainConfig, profile, perspective, evaluate_episodes) -> tuple[dict, list]:
