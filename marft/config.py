@@ -64,7 +64,7 @@ class ModelConfig:
     max_new_tokens: int = 16
     """Longest reply an agent may generate in one turn, in tokens."""
     context_window: int = 512
-    """Longest prompt + reply in tokens; longer prompts lose history from the left (never the role header, nor the opening an environment keeps, such as a game's rules; warned once per run)."""
+    """Longest prompt + reply in tokens; longer prompts lose history from the left (never the role header; an opening the environment keeps, such as a game's rules, stays when it takes at most half of the room; warned once per run)."""
     temperature: float = 1.0
     """Sampling temperature; the PPO log-probs are taken from the same tempered distribution."""
     chat_template: str = "auto"

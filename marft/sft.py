@@ -114,7 +114,8 @@ def check_transcript(row: dict) -> dict:
         if not isinstance(turn.get("role"), str) or not isinstance(turn.get("text"), str):
             raise ValueError(f"a turn needs 'role' and 'text' strings, got {turn!r}")
     for key in ("private", "kept_heads"):
-        if not isinstance(row.get(key, {}), dict):
+        texts = row.get(key, {})
+        if not isinstance(texts, dict) or not all(isinstance(text, str) for text in texts.values()):
             raise ValueError(f"'{key}' must map roles to texts")
     return row
 

@@ -262,6 +262,8 @@ def test_a_kept_head_stays_whole_when_the_history_is_cut(chat_tokenizer, chat_te
     text = chat_tokenizer.decode(kept)
     assert "RULES FIRST: you are O." in text and "LATEST BOARD 7" in text and "Board 0:" not in text
     assert kept[-30:] == plain[-30:]
+    whole = PromptEncoder(chat_tokenizer, PROFILE, max_prompt_len=4096, chat_template=chat_template).encode_rows(0, [long_history], [[]])[0]
+    assert kept[:len(header) + len(head_ids)] == whole[:len(header) + len(head_ids)]  # runs of the text's own ids, no seam token
     (warning,) = [r.getMessage() for r in caplog.records if "shared history" in r.getMessage()]
     assert "the oldest after the head the environment keeps" in warning and prompts.cut_histories == 1
     assert prompts.encode_rows(0, HISTORIES[:1], EARLIER[:1], heads=[HISTORIES[0][:20]]) == prompts.encode_rows(0, HISTORIES[:1], EARLIER[:1])

@@ -197,9 +197,10 @@ def test_transcript_turns_are_prompted_exactly_as_the_team_prompts_them(random_m
                       {"role": "Judge", "text": "Try again."},
                       {"role": "Reasoner", "text": "x is 7"}, {"role": "Actor", "text": "\\boxed{57}"}]}
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps({"problem": "p", "turns": []}) + "\n")
+    bad_heads = {**good, "kept_heads": {"Reasoner": 7}}
+    path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps({"problem": "p", "turns": []}) + "\n" + json.dumps(bad_heads) + "\n")
     transcripts, skipped = load_transcripts(path)
-    assert len(transcripts) == 1 and skipped == 2
+    assert len(transcripts) == 1 and skipped == 3
     examples = turn_examples(team.prompts, transcripts, eos_id=team.eos_id, max_reply_tokens=16)
     assert [e.agent for e in examples] == [0, 1, 0, 1]
     step2 = "Problem: What is x + 50?\nReasoner: 7 + 50 = 57\nActor: \\boxed{56}\nJudge: Try again.\n"

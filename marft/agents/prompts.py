@@ -192,16 +192,26 @@ class PromptEncoder:
 
     def cut_left(self, ids: list[int], text: str, head: str, budget: int) -> list[int]:
         """``ids`` (``text``'s tokens) cut to their last ``budget``, or, when ``text`` opens with a ``head`` that takes
-        at most half of ``budget``, to that head's tokens and the last of the rest's (tokenised apart: only a prompt
-        that is cut differs from the text's own tokens)."""
+        at most half of ``budget``, to the head's tokens and the last of the others: both runs of ``text``'s own
+        tokens (a token across the head's end goes with the head), so no seam token appears that the text lacks."""
         if budget <= 0:
             return []
         if head:
-            head_ids = self.encode_text(head)
-            if len(head_ids) <= budget // 2:
-                rest = self.encode_text(text[len(head):])
-                return head_ids + rest[max(0, len(rest) - (budget - len(head_ids))):]
+            n_head = self._head_tokens(text, head, len(ids))
+            if n_head <= budget // 2:
+                return ids[:n_head] + ids[len(ids) - (budget - n_head):]
         return ids[max(0, len(ids) - budget):]
+
+    def _head_tokens(self, text: str, head: str, n_ids: int) -> int:
+        """How many of ``text``'s first tokens cover ``head`` (every token that starts inside it)."""
+        try:
+            encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a slow tokenizer gives no offsets: the head tokenised alone
+            return len(self.encode_text(head))
+        starts = [start for start, _ in encoding["offset_mapping"]]
+        if len(starts) != n_ids:  # not the ids it was asked to cut (cannot happen with one tokenizer); stay safe
+            return len(self.encode_text(head))
+        return sum(start < len(head) for start in starts)
 
     def encode(
         self,

@@ -331,11 +331,13 @@ class TextArenaEnv(MultiAgentTextEnv):
         opponent: the history, ``format_problem`` of the view): a prompt cut to the context window keeps them and
         drops the oldest messages after them, so the latest board stays too."""
         state = self.episode
-        if state is None or not state.rules:
+        if state is None:
             return [""] * self.n_agents
+        # a checkpoint from before GameState.rules: agent 0's seat's rules are its problem, the other seat's unknown
+        rules = state.rules or tuple(state.problem if pid == state.seat else "" for pid in (0, 1))
         if self.self_play:
-            return [state.rules[self.seat_of(agent, state)] for agent in range(self.n_agents)]
-        return [format_problem(state.rules[state.seat]) if state.rules[state.seat] else ""]
+            return [rules[self.seat_of(agent, state)] for agent in range(self.n_agents)]
+        return [format_problem(rules[state.seat]) if rules[state.seat] else ""]
 
     def play_randomly(self, roles) -> None:
         """Self-play: let the random-legal-move player move for ``roles`` (e.g. to evaluate each agent against it);
