@@ -20,6 +20,7 @@ the role prompt at the head of the user message, inside the header all the same.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
 
@@ -152,16 +153,18 @@ class PromptEncoder:
             bodies = [build_prompt(spec.prompt, h, turns, spec.role)[1] for h, turns in zip(histories, earlier_turns)]
         header, suffix = self.header_ids[agent], self.suffix_ids[agent]
         private_texts = [format_private(text) for text in private] if private is not None else [""] * len(bodies)
-        private_ids = [[] for _ in bodies]
+        with_starts = heads is not None and any(heads)  # where each token starts, to find a head's end in the ids
+        private_ids, private_starts = [[] for _ in bodies], None
         if any(private_texts):
-            private_ids = self.tokenizer(private_texts, add_special_tokens=False).input_ids
+            private_ids, private_starts = self._tokenize(private_texts, with_starts)
+        body_ids, body_starts = self._tokenize(bodies, with_starts)
         room = self.max_prompt_len - len(header) - len(suffix)  # > 0, checked in __init__
         rows = []
-        for row, (kept, ids) in enumerate(zip(private_ids, self.tokenizer(bodies, add_special_tokens=False).input_ids)):
+        for row, (kept, ids) in enumerate(zip(private_ids, body_ids)):
             private_head, body_head = self._place_head(spec.role, heads[row] if heads is not None else "", private_texts[row], bodies[row])
             body_share = min(len(ids), max(1, room // 4))
             if len(kept) + body_share > room:  # the private observation's oldest text goes, the body keeps its share
-                kept = self.cut_left(kept, private_texts[row], private_head, room - body_share)
+                kept = self.cut_left(kept, None if private_starts is None else private_starts[row], private_head, room - body_share)
                 if not self.cut_private_observations:
                     logger.warning("the private observation of %r is longer than the prompt budget leaves it (%d of %d tokens): "
                                    "its oldest text is cut%s (once per run: raise --context_window to keep it whole)", spec.role,
@@ -176,7 +179,7 @@ class PromptEncoder:
                                    "the oldest after the head the environment keeps (e.g. a game's rules)" if body_head
                                    else "the problem's opening")
                 self.cut_histories += 1
-                ids = self.cut_left(ids, bodies[row], body_head, budget)
+                ids = self.cut_left(ids, None if body_starts is None else body_starts[row], body_head, budget)
             rows.append(header + kept + ids + suffix)
         return rows
 
@@ -190,28 +193,29 @@ class PromptEncoder:
                              f"({(private_text or body)[:60]!r}): kept_heads must return the text's opening")
         return (head, "") if private_text else ("", head)
 
-    def cut_left(self, ids: list[int], text: str, head: str, budget: int) -> list[int]:
-        """``ids`` (``text``'s tokens) cut to their last ``budget``, or, when ``text`` opens with a ``head`` that takes
-        at most half of ``budget``, to the head's tokens and the last of the others: both runs of ``text``'s own
-        tokens (a token across the head's end goes with the head), so no seam token appears that the text lacks."""
+    def _tokenize(self, texts: list[str], with_starts: bool) -> tuple[list[list[int]], list[list[int]] | None]:
+        """``(ids, starts)`` per text: its tokens and, when asked and the tokenizer gives offsets (a slow one does
+        not: None), the character each token starts at."""
+        if with_starts:
+            try:
+                encoding = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+                return encoding.input_ids, [[start for start, _ in offsets] for offsets in encoding["offset_mapping"]]
+            except NotImplementedError:
+                pass
+        return self.tokenizer(texts, add_special_tokens=False).input_ids, None
+
+    def cut_left(self, ids: list[int], starts: list[int] | None, head: str, budget: int) -> list[int]:
+        """``ids`` cut to their last ``budget``, or, when their text opens with a ``head`` that takes at most half of
+        ``budget``, to the head's tokens and the last of the others: both runs of the text's own tokens (every token
+        that starts inside the head goes with it, found from ``starts``, the tokens' character offsets; without
+        them the head is tokenised alone), so no seam token appears that the text lacks."""
         if budget <= 0:
             return []
         if head:
-            n_head = self._head_tokens(text, head, len(ids))
+            n_head = bisect.bisect_left(starts, len(head)) if starts is not None else len(self.encode_text(head))
             if n_head <= budget // 2:
                 return ids[:n_head] + ids[len(ids) - (budget - n_head):]
         return ids[max(0, len(ids) - budget):]
-
-    def _head_tokens(self, text: str, head: str, n_ids: int) -> int:
-        """How many of ``text``'s first tokens cover ``head`` (every token that starts inside it)."""
-        try:
-            encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        except NotImplementedError:  # a slow tokenizer gives no offsets: the head tokenised alone
-            return len(self.encode_text(head))
-        starts = [start for start, _ in encoding["offset_mapping"]]
-        if len(starts) != n_ids:  # not the ids it was asked to cut (cannot happen with one tokenizer); stay safe
-            return len(self.encode_text(head))
-        return sum(start < len(head) for start in starts)
 
     def encode(
         self,
