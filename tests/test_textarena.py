@@ -165,6 +165,17 @@ def test_held_out_games_differ_from_training_games():
         {test.sample_task({"task_index": i})["game_seed"] for i in range(200)})
 
 
+def test_the_test_split_holds_1000_held_out_games_and_its_first_200_stay_the_benchmarks():
+    """500 deals from both seats: ``marft eval`` plays 1000 distinct held-out games, and an evaluation of 200 episodes
+    (training's, the benchmarks') plays the first 100 deals from both seats, as when the split held only those."""
+    test = make(TTT, split="test", profile="game_player")
+    assert test.num_tasks == 1000
+    tasks = [test.sample_task({"task_index": i}) for i in range(test.num_tasks)]
+    assert len({(t["game_seed"], t["seat"]) for t in tasks}) == 1000
+    assert [(t["game_seed"], t["seat"]) for t in tasks[:200]] == [(1_000_000 + i // 2, i % 2) for i in range(200)]
+    assert make(TTT, split="train", profile="game_player").num_tasks == 10_000
+
+
 def test_a_checkpointed_game_continues_exactly():
     env = make(TTT, split="test", profile="game_player")
     env.reset(options={"task_index": 3})

@@ -227,7 +227,10 @@ class TextArenaEnv(MultiAgentTextEnv):
         profile: one agent (default: ``Player``) against the opponent, or two agents for self-play.
         horizon: the most team steps (moves of the team) in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
         opponent: ``random`` (uniformly random legal moves): the fixed opponent of a one-agent team.
-        n_games: games (seeds) per split; tasks are ``2 * n_games`` (each game once with each seating).
+        n_games: games (seeds) per split (default: 5000 for ``train``, 500 for ``test``); tasks are ``2 * n_games``
+            (each game once with each seating). Task ``i`` is seat ``i % 2`` of game seed ``offset + i // 2``, so the
+            first ``2 * k`` tasks of a split are the same whatever its size (an evaluation of 200 episodes plays the
+            test split's first 100 deals from both seats; ``marft eval`` with no ``--episodes`` all 1000 tasks).
         view: what an agent sees besides the rules (:data:`marft.choices.GAME_VIEWS`): ``since_move`` (the default), the messages since
             its previous move; ``board``, the latest board and the messages after it (games whose board TextArena
             marks as such, e.g. Tic-Tac-Toe; others are refused).
@@ -263,7 +266,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             self.workflow = MoveWorkflow(self.roles, answer_agents=(0, 1))
             self.turns = self.workflow.start()
         self.game_id, self.split, self.opponent = game_id, split, opponent
-        self.n_games = n_games or (5000 if split == "train" else 100)
+        self.n_games = n_games or (5000 if split == "train" else 500)
         self.seed_offset = 0 if split == "train" else 1_000_000
         self._live: tuple[tuple, Game] | None = None  # the latest game played, keyed by (seed, moves): saves replays
         self.random_agents: frozenset[int] = frozenset()
