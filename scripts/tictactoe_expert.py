@@ -4,6 +4,7 @@
     python scripts/tictactoe_expert.py --demonstrations 6000 --out expert.jsonl
     marft sft --env_name textarena:TicTacToe-v0 --sft_data expert.jsonl ...   # can the model imitate it?
     python scripts/tictactoe_expert.py --grade runs/ttt_expert --sft_data expert.jsonl   # where does it go wrong?
+    python scripts/tictactoe_expert.py --games runs/ttt_rl/eval/steps_200/test-n1/transcripts.jsonl   # in its own games?
 
 The opponent of ``textarena:TicTacToe-v0`` plays uniformly random legal moves, so the best reply is the one that
 maximises the probability of winning against it (expectimax over the opponent's moves, not minimax). The
@@ -20,8 +21,16 @@ Each move's probability is that of its reply as the warm start scores it (:func:
 over the nine cells. A model that imitates well but misses unseen positions generalises poorly; one that misses the
 positions it was trained on has not fitted them.
 
+``--games TRANSCRIPTS`` scores the moves a player made in its own games (a ``transcripts.jsonl`` or
+``greedy_transcripts.jsonl`` of ``marft eval`` on Tic-Tac-Toe, whose games list every move): per seat, ``takes_win``
+(of the positions where a move completes its line, the share where it did), ``blocks`` (of the positions where it
+could not win at once but the opponent could next, the share where it took the opponent's cell; ``best_blocks``, the
+share where one of the best player's moves does), ``value_lost`` (the mean win probability its moves gave away
+against the best move, over the moves the game took) and ``invalid_tries`` (its moves onto a taken cell or unreadable,
+per game).
+
 Prints ONE line of JSON: the best and simple policies' win rates per seat and over both seats (and, with
-``--demonstrations``, the rows written; with ``--grade``, the checkpoint's figures).
+``--demonstrations``, the rows written; with ``--grade``, the checkpoint's figures; with ``--games``, the games').
 """
 
 from __future__ import annotations
@@ -195,7 +204,10 @@ def grade(checkpoint: str, positions: int, seed: int, sft_data: str | None = Non
     ``seed``, in the checkpoint's ``--game_view``), compared with the best moves: per group of positions (all, each
     seat, ``seen``/``unseen`` in ``sft_data``'s prompts), ``argmax_best`` (share where its most likely move is a
     best one), ``p_best`` (mean probability on the best moves), ``value_lost`` (mean win probability its most
-    likely move gives away; an occupied cell loses the game) and ``p_taken`` (mean probability on occupied cells)."""
+    likely move gives away; an occupied cell loses the game) and ``p_taken`` (mean probability on occupied cells);
+    ``takes_win``, the share of the ``win_positions`` (where a move completes its line) where its most likely move
+    does, and ``blocks``, of the ``block_positions`` (where it cannot win at once but the opponent could next) where
+    its most likely move takes the opponent's winning cell (None where a group has no such position)."""
     from marft.trained.evaluate import checkpoint_config
 
     config = checkpoint_config(checkpoint)[0]
@@ -207,18 +219,69 @@ def grade(checkpoint: str, positions: int, seed: int, sft_data: str | None = Non
     problems = sorted(heads)
     seen = {json.loads(line)["problem"] for line in Path(sft_data).read_text().splitlines() if line.strip()} if sft_data else set()
     log_probs = cell_log_probs(checkpoint, problems, heads=heads)  # (N, 9)
-    groups: dict[str, list[tuple[float, float, float, float]]] = {}
+    groups: dict[str, list[tuple]] = {}
     for problem, row in zip(problems, log_probs.exp()):
         board, seat = board_in_prompt(problem)
         best, chosen = best_cells(board, seat), int(row.argmax())
+        wins, threats = completing(board, seat), completing(board, 1 - seat)
         figures = (float(chosen in best), float(row[best].sum()), move_value(board, best[0], seat) - move_value(board, chosen, seat),
-                   float(sum(row[c] for c in range(9) if board[c])))
+                   float(sum(row[c] for c in range(9) if board[c])),
+                   float(chosen in wins) if wins else None, float(chosen in threats) if threats and not wins else None)
         names = ["all", f"seat_{seat}"] + ([("seen" if problem in seen else "unseen")] if sft_data else [])
         for name in names:
             groups.setdefault(name, []).append(figures)
-    keys = ("argmax_best", "p_best", "value_lost", "p_taken")
-    return {name: {"positions": len(rows), **{k: round(float(np.mean([r[i] for r in rows])), 4) for i, k in enumerate(keys)}}
-            for name, rows in sorted(groups.items())}
+    return {name: _grade_figures(rows) for name, rows in sorted(groups.items())}
+
+
+def _grade_figures(rows: list[tuple]) -> dict:
+    """A group's figures: the means over its positions, and ``takes_win`` / ``blocks`` over the positions they concern."""
+    figures: dict = {"positions": len(rows)}
+    for i, key in enumerate(("argmax_best", "p_best", "value_lost", "p_taken")):
+        figures[key] = round(float(np.mean([r[i] for r in rows])), 4)
+    for i, (count, key) in enumerate((("win_positions", "takes_win"), ("block_positions", "blocks")), start=4):
+        concerned = [r[i] for r in rows if r[i] is not None]
+        figures[count], figures[key] = len(concerned), round(float(np.mean(concerned)), 4) if concerned else None
+    return figures
+
+
+def cell_of(move: str, board: Board) -> int | None:
+    """The free cell a move names (``[4]``, read as TextArena's Tic-Tac-Toe reads it), or None: an invalid try (no
+    ``[digits]``, off the board, or taken)."""
+    found = re.search(r"\[\s*(\d+)\s*\]", move)
+    cell = int(found.group(1)) if found else -1
+    return cell if 0 <= cell < 9 and not board[cell] else None
+
+
+def game_mistakes(path: str) -> dict:
+    """Per seat, how the player of ``path``'s games (transcripts of ``marft eval``) played its own positions."""
+    tally: dict[str, dict[str, list[float]]] = {}
+    for line in Path(path).read_text().splitlines():
+        game = json.loads(line) if line.strip() else None
+        if game is None:
+            continue
+        if "game_moves" not in game:
+            raise ValueError(f"{path}: a game without 'game_moves' (transcripts of marft eval on Tic-Tac-Toe, from a marft that records them)")
+        seat, board, mover = game["seat"], (0,) * 9, 0
+        figures = tally.setdefault(f"seat_{seat}", {"takes_win": [], "blocks": [], "best_blocks": [], "value_lost": [], "invalid_tries": []})
+        tries = 0
+        for move in game["game_moves"]:
+            cell = cell_of(move, board)
+            if mover == seat and cell is None:
+                tries += 1
+            elif mover == seat:  # a move the game took: scored against the position it was made in
+                wins, threats, best = completing(board, seat), completing(board, 1 - seat), best_cells(board, seat)
+                if wins:
+                    figures["takes_win"].append(float(cell in wins))
+                elif threats:
+                    figures["blocks"].append(float(cell in threats))
+                    figures["best_blocks"].append(float(bool(set(best) & set(threats))))
+                figures["value_lost"].append(move_value(board, best[0], seat) - move_value(board, cell, seat))
+            if cell is not None:
+                board, mover = play(board, cell, mover), 1 - mover
+        figures["invalid_tries"].append(float(tries))
+    return {name: {"games": len(f["invalid_tries"]), "positions_to_win": len(f["takes_win"]), "positions_to_block": len(f["blocks"]),
+                   **{key: round(float(np.mean(values)), 4) if values else None for key, values in f.items()}}
+            for name, f in sorted(tally.items())}
 
 
 def main(argv=None) -> dict:
@@ -233,6 +296,7 @@ def main(argv=None) -> dict:
     p.add_argument("--grade_seed", type=int, default=1, help="--grade: the games' seed (the demonstrations' --seed is 0 by default, "
                    "so another seed gives positions partly unseen)")
     p.add_argument("--sft_data", help="--grade: the warm start's rows, to split the positions into seen and unseen")
+    p.add_argument("--games", metavar="TRANSCRIPTS", help="score the moves of marft eval's games (its transcripts.jsonl) position by position")
     args = p.parse_args(argv)
     if args.positions < 1:
         p.error("--positions must be at least 1")
@@ -247,6 +311,8 @@ def main(argv=None) -> dict:
         result.update(demonstrations=len(rows), out=args.out)
     if args.grade:
         result["grade"] = {"checkpoint": args.grade, **grade(args.grade, args.positions, args.grade_seed, args.sft_data)}
+    if args.games:
+        result["games"] = {"transcripts": args.games, **game_mistakes(args.games)}
     print(json.dumps(result))
     return result
 

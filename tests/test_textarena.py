@@ -165,6 +165,16 @@ def test_held_out_games_differ_from_training_games():
         {test.sample_task({"task_index": i})["game_seed"] for i in range(200)})
 
 
+def test_a_finished_game_lists_every_move_in_order():
+    """``game_moves`` (kept in evaluation transcripts): both players' moves and a forgiven invalid try, as played."""
+    env = make(TTT, split="test", profile="game_player")
+    tries = iter(["[9]"])  # off the board: forgiven once, then the first legal move
+    info, _ = play(env, lambda obs, step: next(tries, None) or first_legal(obs, step), 5)
+    assert info["game_moves"] == list(env.episode.moves) and info["game_moves"][int(env.episode.seat == 1)] == "[9]"
+    assert info["moves"] == len(info["game_moves"]) and info["invalid_attempts"] == 1
+    assert json.loads(json.dumps(info["game_moves"])) == info["game_moves"]
+
+
 def test_the_test_split_holds_1000_held_out_games_and_its_first_200_stay_the_benchmarks():
     """500 deals from both seats: ``marft eval`` plays 1000 distinct held-out games, and an evaluation of 200 episodes
     (training's, the benchmarks') plays the first 100 deals from both seats, as when the split held only those."""
@@ -284,6 +294,9 @@ def test_evaluation_reports_outcomes_per_seat_and_the_invalid_move_rate(random_m
     greedy = [json.loads(line) for line in (tmp_path / "eval" / "greedy_transcripts.jsonl").read_text().splitlines()]
     assert len(greedy) == 8 and set(summary["greedy_games"]) == set(games)
     assert summary["greedy_accuracy"] == pytest.approx(sum(t["outcome"] == "win" for t in greedy) / 8)
+    for game in transcripts + greedy:  # every move of the game, the player's replies among them in order
+        replies = iter(game["game_moves"])
+        assert all(any(move == step[0]["text"] for move in replies) for step in game["steps"])
     assert summary["greedy_games"]["invalid_move_rate"] == pytest.approx(sum(t["invalid_move"] for t in greedy) / 8)
     for seat in ("seat_0", "seat_1"):
         mine = [t for t in greedy if t["seat"] == int(seat[-1])]

@@ -97,7 +97,17 @@ def test_grading_compares_the_checkpoints_likeliest_move_with_the_best_ones(monk
 
     monkeypatch.setattr(expert, "cell_log_probs", best_player)
     figures = expert.grade("ckpt", 30, seed=5, sft_data=str(data))
-    assert figures["all"] == {"positions": len(problems), "argmax_best": 1.0, "p_best": 1.0, "value_lost": 0.0, "p_taken": 0.0}
+    assert {k: figures["all"][k] for k in ("positions", "argmax_best", "p_best", "value_lost", "p_taken")} == {
+        "positions": len(problems), "argmax_best": 1.0, "p_best": 1.0, "value_lost": 0.0, "p_taken": 0.0}
+    # takes_win / blocks: where the player (its likeliest move: the first of the best player's ties) completes its own line / the opponent's
+    boards = [expert.board_in_prompt(p) for p in problems]
+    can_win = [b for b in boards if expert.completing(b[0], b[1])]
+    must_block = [b for b in boards if not expert.completing(b[0], b[1]) and expert.completing(b[0], 1 - b[1])]
+    assert (figures["all"]["win_positions"], figures["all"]["block_positions"]) == (len(can_win), len(must_block)) and can_win
+    took = [float(min(expert.best_cells(*b)) in expert.completing(b[0], b[1])) for b in can_win]
+    blocked = [float(min(expert.best_cells(*b)) in expert.completing(b[0], 1 - b[1])) for b in must_block]
+    assert figures["all"]["takes_win"] == pytest.approx(np.mean(took), abs=1e-4) and 0 < np.mean(took)
+    assert figures["all"]["blocks"] == (pytest.approx(np.mean(blocked), abs=1e-4) if must_block else None)
     assert figures["seat_0"]["positions"] + figures["seat_1"]["positions"] == len(problems)
     seen = {row["problem"] for row in rows[:10]}
     assert (figures["seen"]["positions"], figures["unseen"]["positions"]) == (len(seen), len(problems) - len(seen))
@@ -115,6 +125,7 @@ def test_grading_compares_the_checkpoints_likeliest_move_with_the_best_ones(monk
     lost = [expert.move_value(*expert.board_in_prompt(p)[:1], expert.best_cells(*expert.board_in_prompt(p))[0],
                               expert.board_in_prompt(p)[1]) for p in taken]
     assert "seen" not in figures and figures["all"]["p_taken"] == pytest.approx(len(taken) / len(problems), abs=1e-4)
+    assert figures["all"]["takes_win"] == 0.0 and figures["all"]["blocks"] in (0.0, None)  # an occupied cell neither wins nor blocks
     assert figures["all"]["value_lost"] == pytest.approx(sum(lost) / len(problems), abs=1e-4)  # the empty board: cell 0 may be best
     with pytest.raises(ValueError, match="no 3x3 board"):
         expert.board_in_prompt("You are Player 0 in Tic Tac Toe.\n[GAME] Current Board:\n\n 0 | 1 \n\nAvailable Moves: '[0]'")
@@ -149,3 +160,25 @@ def test_the_cells_scores_are_the_policys_own(random_model_dir, tmp_path):
             assert torch.allclose(torch.log_softmax(logprobs, -1), scores[i], atol=1e-4)
     summary = expert.main(["--grade", str(run), "--positions", "6", "--grade_seed", "3"])["grade"]
     assert summary["all"]["positions"] == len(problems) and 0.0 <= summary["all"]["p_best"] <= 1.0
+
+
+def test_a_players_own_games_are_scored_position_by_position(tmp_path):
+    """--games: hand-made games with a missed win, a block after a forgiven invalid try, and the figures they give."""
+    games = [
+        # seat 0 (O): [0], X [3], [1], X [4]; now [2] wins (and X threatens [5]): it plays [8], X wins at [5]
+        {"seat": 0, "game_moves": ["[0]", "[3]", "[1]", "[4]", "[8]", "[5]"]},
+        # seat 1 (X): O [0], [4], O [1]; a try at the taken [1], then the block at [2]
+        {"seat": 1, "game_moves": ["[0]", "[4]", "[1]", "[ 1 ]", "[2]"]},
+    ]
+    path = tmp_path / "transcripts.jsonl"
+    path.write_text("".join(json.dumps(g) + "\n" for g in games))
+    figures = expert.game_mistakes(str(path))
+    first, second = figures["seat_0"], figures["seat_1"]
+    assert (first["games"], first["positions_to_win"], first["takes_win"], first["positions_to_block"], first["blocks"]) == (1, 1, 0.0, 0, None)
+    lost = 1.0 - expert.move_value((1, 1, 0, 2, 2, 0, 0, 0, 0), 8, 0)  # the win it missed, the only position that lost value
+    assert first["value_lost"] == pytest.approx(lost / 3, abs=1e-4) and first["invalid_tries"] == 0.0
+    assert (second["positions_to_block"], second["blocks"], second["best_blocks"], second["invalid_tries"]) == (1, 1.0, 1.0, 1.0)
+    assert second["positions_to_win"] == 0 and second["takes_win"] is None
+    (tmp_path / "old.jsonl").write_text(json.dumps({"seat": 0, "steps": []}) + "\n")
+    with pytest.raises(ValueError, match="game_moves"):
+        expert.game_mistakes(str(tmp_path / "old.jsonl"))

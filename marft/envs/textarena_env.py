@@ -441,7 +441,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             cut = [-1.0 if r else 0.0 for r in state.retries]  # (n_agents,) the horizon's verdict
             rewards = tuple(v - c for v, c in zip(cut, charged))
             info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
-                    "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
+                    "moves": len(state.moves), "game_moves": list(state.moves), "invalid_attempts": sum(state.retries)}
             if self.self_play:
                 info["invalid_by"] = ""
                 info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
@@ -451,7 +451,8 @@ class TextArenaEnv(MultiAgentTextEnv):
         rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
         invalid = [a for a in range(self.n_agents) if game_info.get(self.seat_of(a, state), {}).get("invalid_move")]
         info: dict[str, Any] = {"correct": rewards[0] > 0, "outcome": OUTCOMES[int(np.sign(rewards[0]))], "seat": state.seat,
-                                "invalid_move": bool(invalid), "moves": len(state.moves), "invalid_attempts": sum(state.retries)}
+                                "invalid_move": bool(invalid), "moves": len(state.moves), "game_moves": list(state.moves),
+                                "invalid_attempts": sum(state.retries)}
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
             info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
