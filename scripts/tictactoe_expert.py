@@ -300,6 +300,12 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.positions < 1:
         p.error("--positions must be at least 1")
+    games = {}
+    if args.games:  # read first: a bad file stops before the exact win rates are computed
+        try:
+            games = {"games": {"transcripts": args.games, **game_mistakes(args.games)}}
+        except (OSError, ValueError) as error:  # a missing file, transcripts without game_moves: one line, exit 2
+            p.error(str(error))
     figures = {}
     for name, policy in SIMPLE_POLICIES.items():
         seats = [policy_win_rate(policy, me) for me in (0, 1)]
@@ -311,8 +317,7 @@ def main(argv=None) -> dict:
         result.update(demonstrations=len(rows), out=args.out)
     if args.grade:
         result["grade"] = {"checkpoint": args.grade, **grade(args.grade, args.positions, args.grade_seed, args.sft_data)}
-    if args.games:
-        result["games"] = {"transcripts": args.games, **game_mistakes(args.games)}
+    result.update(games)
     print(json.dumps(result))
     return result
 

@@ -182,3 +182,6 @@ def test_a_players_own_games_are_scored_position_by_position(tmp_path):
     (tmp_path / "old.jsonl").write_text(json.dumps({"seat": 0, "steps": []}) + "\n")
     with pytest.raises(ValueError, match="game_moves"):
         expert.game_mistakes(str(tmp_path / "old.jsonl"))
+    with pytest.raises(SystemExit) as stopped:  # from the command line: one line and exit status 2
+        expert.main(["--games", str(tmp_path / "missing.jsonl")])
+    assert stopped.value.code == 2
