@@ -223,10 +223,8 @@ def grade(checkpoint: str, positions: int, seed: int, sft_data: str | None = Non
     for problem, row in zip(problems, log_probs.exp()):
         board, seat = board_in_prompt(problem)
         best, chosen = best_cells(board, seat), int(row.argmax())
-        wins, threats = completing(board, seat), completing(board, 1 - seat)
         figures = (float(chosen in best), float(row[best].sum()), move_value(board, best[0], seat) - move_value(board, chosen, seat),
-                   float(sum(row[c] for c in range(9) if board[c])),
-                   float(chosen in wins) if wins else None, float(chosen in threats) if threats and not wins else None)
+                   float(sum(row[c] for c in range(9) if board[c])), *took_win_or_blocked(board, seat, chosen))
         names = ["all", f"seat_{seat}"] + ([("seen" if problem in seen else "unseen")] if sft_data else [])
         for name in names:
             groups.setdefault(name, []).append(figures)
@@ -242,6 +240,13 @@ def _grade_figures(rows: list[tuple]) -> dict:
         concerned = [r[i] for r in rows if r[i] is not None]
         figures[count], figures[key] = len(concerned), round(float(np.mean(concerned)), 4) if concerned else None
     return figures
+
+
+def took_win_or_blocked(board: Board, me: int, cell: int) -> tuple[float | None, float | None]:
+    """``(took_win, blocked)`` of ``me`` playing ``cell``: 1.0 / 0.0 where the position offers a line to complete
+    (``took_win``), or else the opponent has one to block (``blocked``); None where it does not concern the move."""
+    wins, threats = completing(board, me), completing(board, 1 - me)
+    return (float(cell in wins) if wins else None), (float(cell in threats) if threats and not wins else None)
 
 
 def cell_of(move: str, board: Board) -> int | None:
@@ -269,12 +274,13 @@ def game_mistakes(path: str) -> dict:
             if mover == seat and cell is None:
                 tries += 1
             elif mover == seat:  # a move the game took: scored against the position it was made in
-                wins, threats, best = completing(board, seat), completing(board, 1 - seat), best_cells(board, seat)
-                if wins:
-                    figures["takes_win"].append(float(cell in wins))
-                elif threats:
-                    figures["blocks"].append(float(cell in threats))
-                    figures["best_blocks"].append(float(bool(set(best) & set(threats))))
+                best = best_cells(board, seat)
+                took_win, blocked = took_win_or_blocked(board, seat, cell)
+                for key, value in (("takes_win", took_win), ("blocks", blocked)):
+                    if value is not None:
+                        figures[key].append(value)
+                if blocked is not None:
+                    figures["best_blocks"].append(float(bool(set(best) & set(completing(board, 1 - seat)))))
                 figures["value_lost"].append(move_value(board, best[0], seat) - move_value(board, cell, seat))
             if cell is not None:
                 board, mover = play(board, cell, mover), 1 - mover
