@@ -10,6 +10,7 @@ Each rank writes ``OUT_DIR/rank<r>.json``.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import hashlib
 import json
 import os
@@ -223,19 +224,20 @@ def train(out_dir: Path, argv: list[str], rank: int) -> dict:
 
 
 def main() -> int:
+    # a crash in native code (CI once saw rank 0 die in std::terminate, SIGABRT, in the unequal cases) prints every
+    # thread's Python stack, so the failure says where it happened
+    faulthandler.enable()
     torch.set_num_threads(1)
     marft.envs.register("dense_relay_sum", DenseRelaySum)
     mode, rank = sys.argv[1], int(os.environ.get("RANK", "0"))
-    if mode == "update":
-        from marft.distributed import init_distributed
+    if mode in ("update", "unequal"):
+        from marft.distributed import init_distributed, shutdown_distributed
 
         out_dir = Path(sys.argv[3])
-        result = update_cases(sys.argv[2], out_dir, init_distributed("cpu", 120))
-    elif mode == "unequal":
-        from marft.distributed import init_distributed
-
-        out_dir = Path(sys.argv[3])
-        result = unequal_cases(sys.argv[2], out_dir, init_distributed("cpu", 60))
+        dist = init_distributed("cpu", 120 if mode == "update" else 60)
+        result = (update_cases if mode == "update" else unequal_cases)(sys.argv[2], out_dir, dist)
+        dist.barrier()  # every rank done with its collectives before any destroys the group (as marft.launch.main)
+        shutdown_distributed()
     else:
         out_dir = Path(sys.argv[2])
         result = train(out_dir, sys.argv[sys.argv.index("--") + 1 :], rank)
