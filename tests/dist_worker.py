@@ -224,9 +224,7 @@ def train(out_dir: Path, argv: list[str], rank: int) -> dict:
 
 
 def main() -> int:
-    # a crash in native code (CI once saw rank 0 die in std::terminate, SIGABRT, in the unequal cases) prints every
-    # thread's Python stack, so the failure says where it happened
-    faulthandler.enable()
+    faulthandler.enable()  # a worker that dies in native code (e.g. SIGABRT) prints every thread's Python stack
     torch.set_num_threads(1)
     marft.envs.register("dense_relay_sum", DenseRelaySum)
     mode, rank = sys.argv[1], int(os.environ.get("RANK", "0"))
@@ -236,8 +234,8 @@ def main() -> int:
         out_dir = Path(sys.argv[3])
         dist = init_distributed("cpu", 120 if mode == "update" else 60)
         result = (update_cases if mode == "update" else unequal_cases)(sys.argv[2], out_dir, dist)
-        dist.barrier()  # every rank done with its collectives before any destroys the group (as marft.launch.main)
-        shutdown_distributed()
+        dist.barrier()  # every rank done with its collectives before any destroys the group
+        shutdown_distributed()  # here, as marft.launch.main does when training ends, not in the interpreter's exit
     else:
         out_dir = Path(sys.argv[2])
         result = train(out_dir, sys.argv[sys.argv.index("--") + 1 :], rank)

@@ -53,13 +53,13 @@ def launch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*TORCHRUN, str(WORKER), *args], env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def workers_said(done: subprocess.CompletedProcess, chars: int = 4000) -> str:
+def workers_said(done: subprocess.CompletedProcess) -> str:
     """The end of what the workers printed, without library warnings and before torchrun's own traceback (which
     only repeats that a worker failed): where a failure shows what happened (a Python error, or the stacks
     ``faulthandler`` prints when a worker dies in native code)."""
     said = done.stderr.split("Traceback (most recent call last):\n  File \"<frozen runpy>\"")[0]
     lines = [line for line in said.splitlines() if "Warning" not in line and "warnings.warn" not in line]
-    return "\n".join(lines)[-chars:]
+    return "\n".join(lines)[-4000:]
 
 
 def ranks(out: Path) -> list[dict]:
