@@ -109,6 +109,7 @@ SIMPLE_POLICIES = {
     "win when it can": lambda board, me: completing(board, me) or empty_cells(board),
     "win, else block": lambda board, me: completing(board, me) or completing(board, 1 - me) or empty_cells(board),
     "fixed order": lambda board, me: [next(c for c in PREFERENCE if not board[c])],
+    "win, else fixed order": lambda board, me: completing(board, me) or [next(c for c in PREFERENCE if not board[c])],
     "win, else block, else fixed order": lambda board, me: (completing(board, me) or completing(board, 1 - me)
                                                              or [next(c for c in PREFERENCE if not board[c])]),
     "best": best_cells,

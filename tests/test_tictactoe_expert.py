@@ -34,7 +34,7 @@ def simulate(policy, me: int, games: int, rng) -> float:
     return wins / games
 
 
-@pytest.mark.parametrize("name", ["fixed order", "win, else block", "best"])
+@pytest.mark.parametrize("name", ["fixed order", "win, else fixed order", "win, else block", "best"])
 def test_exact_win_rates_agree_with_played_out_games(name):
     policy, rng = expert.SIMPLE_POLICIES[name], np.random.default_rng(0)
     for me in (0, 1):
