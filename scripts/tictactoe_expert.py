@@ -104,14 +104,18 @@ def completing(board: Board, player: int) -> list[int]:
     return sorted(cells)
 
 
+def first_free(board: Board) -> list[int]:
+    """The fixed order's move: the first empty cell of :data:`PREFERENCE`."""
+    return [next(c for c in PREFERENCE if not board[c])]
+
+
 SIMPLE_POLICIES = {
     "random": lambda board, me: empty_cells(board),
     "win when it can": lambda board, me: completing(board, me) or empty_cells(board),
     "win, else block": lambda board, me: completing(board, me) or completing(board, 1 - me) or empty_cells(board),
-    "fixed order": lambda board, me: [next(c for c in PREFERENCE if not board[c])],
-    "win, else fixed order": lambda board, me: completing(board, me) or [next(c for c in PREFERENCE if not board[c])],
-    "win, else block, else fixed order": lambda board, me: (completing(board, me) or completing(board, 1 - me)
-                                                             or [next(c for c in PREFERENCE if not board[c])]),
+    "fixed order": lambda board, me: first_free(board),
+    "win, else fixed order": lambda board, me: completing(board, me) or first_free(board),
+    "win, else block, else fixed order": lambda board, me: completing(board, me) or completing(board, 1 - me) or first_free(board),
     "best": best_cells,
 }
 """Policies by name: the cells among which each picks uniformly at random."""
