@@ -88,6 +88,12 @@ CRITIC_MODES = {
 }
 """``--critic_mode`` → what it builds (the one table of modes)."""
 
+CRITIC_INITS = {
+    "fresh": "the critic adapters as the checkpoint has them (after marft sft: untrained, so the critic starts from the base model's features)",
+    "policy": "at the start of RL from a warm start, each critic adapter a copy of the policy adapter whose turns it values",
+}
+"""``--critic_init`` → what the critic starts from (the one table of modes)."""
+
 KL_REFERENCES = {
     "base": "the base model, every adapter off",
     "initial": "each policy adapter as training started, kept frozen (a copy of the adapter)",

@@ -24,6 +24,7 @@ from typing import Any, Optional, get_type_hints
 from marft.choices import (
     CHAT_TEMPLATE_MODES,
     CREDIT_MODES,
+    CRITIC_INITS,
     CRITIC_MODES,
     DTYPES,
     GAME_VIEWS,
@@ -53,6 +54,8 @@ class ModelConfig:
     """Give all agents one shared LoRA adapter instead of one adapter per agent."""
     critic_mode: str = "shared"
     """shared: one centralized critic adapter and value head values every agent's turns (CTDE); per_agent: one critic adapter and value head per agent, each trained on its own agent's turns only (all on the one base model). Critic-free trainers (GRPO) build none."""
+    critic_init: str = "fresh"
+    """What the critic starts from when RL starts (a warm start's checkpoint, or no --load_path): fresh (its adapters as they are: after marft sft untrained, so the critic values from the base model's features) or policy (each critic adapter a copy of the policy adapter whose turns it values, as verl and OpenRLHF start the value model from the SFT model; the value head stays new). policy needs one policy adapter per critic adapter (--critic_mode per_agent, --shared_lora, or a one-agent team). Resuming an RL checkpoint keeps its critic either way."""
     lora_r: int = 8
     """LoRA rank of every adapter (agents and critic)."""
     lora_alpha: int = 16
@@ -102,6 +105,7 @@ class ModelConfig:
             )
         check_choice("dtype", self.dtype)
         check_choice("critic_mode", self.critic_mode)
+        check_choice("critic_init", self.critic_init)
         check_choice("chat_template", self.chat_template)
         check_choice("generation_backend", self.generation_backend)
 
@@ -372,7 +376,7 @@ SECTIONS = {"model": ModelConfig, "env": EnvConfig, "algo": AlgoConfig, "runner"
 
 
 CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normalization_mode": NORMALIZATION_MODES, "rollout_correction": ROLLOUT_CORRECTIONS,
-                            "critic_mode": CRITIC_MODES, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
+                            "critic_mode": CRITIC_MODES, "critic_init": CRITIC_INITS, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
                             "game_view": GAME_VIEWS,
                             "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS,
                             "kl_reference": KL_REFERENCES, "lr_schedule": LR_SCHEDULES}

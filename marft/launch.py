@@ -307,6 +307,10 @@ def build_runner(config: TrainConfig, validated=None):
     profile, make_train_env, make_eval_env = validated or validate(config)
     dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
     team, trainer = build_team(config, profile, dist)
+    if config.model.critic_init == "policy":
+        if not team.has_critic:
+            raise ValueError(f"--critic_init policy: --algorithm_name {config.algo.algorithm_name} trains no critic; drop the flag")
+        team.critic_policy_sources()  # refuses a critic over several policy adapters before anything is loaded
     config.algo.kl_reference = resolve_kl_reference(config)  # recorded in the run's config: a resume keeps it
     if config.algo.kl_coef is None:  # the algorithm's default, recorded too
         config.algo.kl_coef = config.algo.effective_kl_coef

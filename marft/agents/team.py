@@ -143,6 +143,34 @@ class AgentTeam(nn.Module):
         self.set_active(None)
         return names
 
+    def critic_policy_sources(self) -> dict[str, str]:
+        """Per critic adapter, the one policy adapter whose turns it values (``--critic_init policy``'s source).
+
+        Raises:
+            ValueError: a critic values the turns of several policy adapters (a shared critic over a team with
+                an adapter per agent), so no one of them is its source."""
+        sources: dict[str, set[str]] = {}
+        for policy, critic in zip(self.agent_adapters, self.critic.agent_critics if self.critic else ()):
+            sources.setdefault(critic, set()).add(policy)
+        ambiguous = {critic: sorted(policies) for critic, policies in sources.items() if len(policies) > 1}
+        if ambiguous:
+            critic, policies = next(iter(ambiguous.items()))
+            raise ValueError(
+                f"--critic_init policy: the critic adapter {critic!r} values the turns of {len(policies)} policy adapters "
+                f"({', '.join(policies)}), so none of them is its starting point; use --critic_mode per_agent (one critic "
+                "per agent) or --shared_lora (one policy adapter), or --critic_init fresh"
+            )
+        return {critic: policies.pop() for critic, policies in sources.items()}
+
+    def init_critics_from_policies(self) -> dict[str, str]:
+        """Set each critic adapter's LoRA weights to a copy of its policy adapter's (:meth:`critic_policy_sources`);
+        the value heads are left as they are. Returns ``{critic: policy}``."""
+        sources = self.critic_policy_sources()
+        for critic, policy in sources.items():
+            self.bank.copy_weights(policy, critic)
+            self.bank.mark_changed(critic)
+        return sources
+
     def adapter_parameters(self, adapter: str) -> list[nn.Parameter]:
         """The LoRA parameters of one adapter (by the exact adapter segment of their names)."""
         return self.bank.parameters(adapter)

@@ -93,6 +93,8 @@ class Runner:
         self.last_transcripts: list[dict] = []
         """The last evaluation's episodes, every turn with its speaking role (written to ``transcripts/`` on rank 0)."""
         self.start_iteration = 0
+        self.starts_rl = True
+        """Whether this run starts RL (no --load_path, or a warm start's checkpoint) rather than resuming it."""
         self.env_steps = 0  # all processes together
         self.n_iterations = config.num_iterations
         """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
@@ -235,6 +237,7 @@ class Runner:
         self.trainer.total_iterations = self.n_iterations
         self.last_checkpoint = path
         warm_start = "envs" not in state and self.start_iteration == 0  # scripts/sft.py's checkpoint: RL starts here
+        self.starts_rl = warm_start
         for name, (old, new) in config_changes(saved_config, self.config).items():
             if not self.dist.is_main or (name == "kl_coef" and old is None):  # the algorithm's default: build_runner said it
                 continue
@@ -258,6 +261,16 @@ class Runner:
         self.writer.close()
         self.writer = self._open_writer(purge_step=self.start_iteration + 1)
         logger.info("resumed from %s at iteration %d", path, self.start_iteration)
+
+    def init_critics(self) -> None:
+        """``--critic_init policy``, when this run starts RL: each critic adapter becomes a copy of the policy adapter
+        whose turns it values (after :meth:`restore`, so from the warm start's policies). A resumed RL run keeps the
+        critic its checkpoint holds."""
+        if self.config.model.critic_init != "policy" or not self.starts_rl or not self.team.has_critic:
+            return
+        sources = self.team.init_critics_from_policies()
+        if self.dist.is_main:
+            logger.info("--critic_init policy: %s", ", ".join(f"{critic} starts as a copy of {policy}" for critic, policy in sources.items()))
 
     def _resume_hint(self) -> str:
         if self.last_checkpoint is None:
@@ -293,6 +306,7 @@ class Runner:
     def _run(self) -> dict:
         if self.config.runner.load_path:
             self.restore(self.config.runner.load_path)
+        self.init_critics()
         before, calls_before = self._evaluate_and_log(self.start_iteration)  # calls: whom an orchestrator called
         self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
         bar = tqdm(range(self.start_iteration, self.n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
