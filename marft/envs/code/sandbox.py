@@ -460,7 +460,7 @@ class HarnessRun:
             if cgroups is not None:
                 cgroups.set_limits(self.limits.memory_mb << 20, self.limits.processes, self.limits.cpus)
             binds, hidden = filesystem_view() if slot.uid > 0 else ((), ())
-            read_fd, write_fd = os.pipe()
+            read_fd, write_fd = event_pipe()
             err_fd = os.memfd_create("harness-stderr")
             proc = None
             try:
@@ -564,8 +564,12 @@ class HarnessRun:
         return took
 
     def _malformed(self, why: str) -> None:
+        """A malformed or forged stream fails every test of the run: verdicts taken before it are dropped too
+        (a forged "passed" comes first, the driver's own event after it is the one out of order)."""
         logger.error("sandbox driver sent a malformed event (%s); the program fails", why)
         self.result.end, self.result.end_status = "malformed", "error"
+        self.result.statuses.clear()
+        self.result.errors.clear()
 
     def _event(self, event: dict) -> None:
         """One event, type-checked and in order: ready, then per test start/done, then finished."""
@@ -600,6 +604,11 @@ class HarnessRun:
             pass
         else:
             raise ValueError(f"unexpected event {kind!r}")
+
+
+def event_pipe() -> tuple[int, int]:
+    """``(read end, write end)`` of a run's event pipe (a function of its own so that tests can place it at a high fd)."""
+    return os.pipe()
 
 
 def _message(value) -> bytes:
