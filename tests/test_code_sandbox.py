@@ -109,7 +109,7 @@ def test_check_tests():
     report = run_tests("def add(a, b):\n    return 5\n", test, entry_point="add")
     assert report.statuses == ("failed",) and "AssertionError" in report.stderr
     report = run_tests("def add(a, b):\n    x = 1\n    return a / 0\n", test, entry_point="add")
-    assert report.statuses == ("error",) and report.stderr == "ZeroDivisionError at line 3 of the program"
+    assert report.statuses == ("error",) and report.stderr == "ZeroDivisionError"  # no line: it was reached on a hidden input
     with pytest.raises(ValueError, match="entry_point"):
         run_tests("def add(a, b): pass", test)
 
@@ -238,7 +238,7 @@ def test_no_network(contained):
     threading.Thread(target=lambda: accepted.append(_accept(server)), daemon=True).start()
     program = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'hi')\nprint('passed')\n"
     report, _ = run_hostile(program)
-    assert report.statuses == ("error",) and report.stderr.startswith("OSError at line 2")
+    assert report.statuses == ("error",) and report.stderr == "OSError"
     server.close()
     assert accepted in ([], [None])
 

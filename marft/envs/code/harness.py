@@ -15,7 +15,7 @@ Started by ``marft.envs.code.sandbox`` as ``python3 -I -S harness.py``. Two proc
   ``/bin``, ``/sbin`` read-only with every ``site-packages``/``dist-packages`` hidden, a few
   ``/dev`` nodes, its own ``/proc``, a size-limited tmpfs ``/sandbox`` as the working
   directory), resource limits, an unprivileged uid, ``no_new_privs`` and a seccomp filter
-  (no namespaces, ptrace, System V IPC, AF_UNIX/netlink sockets, mounts, keyrings, bpf, io_uring).
+  (no namespaces, ptrace, System V IPC, sockets but AF_INET/AF_INET6, mounts, keyrings, bpf, io_uring).
   It is PID 1 of its namespace: when it ends, every process it started ends with it. It
   serves requests and answers with plain data only.
 
@@ -234,20 +234,33 @@ ABS_TOL = 1e-6
 
 def values_equal(actual, expected, rel_tol=REL_TOL, abs_tol=ABS_TOL):
     """Structural equality of plain values: lists and tuples alike, floats within tolerance, integers exactly
-    (an expected integer needs an integer), ``bool`` only equal to ``bool``."""
+    (an expected integer needs an integer), ``bool`` only equal to ``bool``. Never raises: a value it cannot
+    compare (an integer past the float range where a float is expected, nesting past the recursion limit) is
+    not equal."""
+    try:
+        return _values_equal(actual, expected, rel_tol, abs_tol)
+    except (RecursionError, OverflowError, ValueError, TypeError, MemoryError):
+        return False
+
+
+def _values_equal(actual, expected, rel_tol, abs_tol):
     if _isinstance(actual, bool) or _isinstance(expected, bool):
         return _type(actual) is _type(expected) and actual == expected
     if _type(expected) is int:
         return _type(actual) is int and actual == expected
     if _type(expected) is float and _type(actual) in (int, float):
+        if _type(actual) is int:
+            if not -sys.float_info.max <= actual <= sys.float_info.max:  # an exact comparison: no conversion that overflows
+                return False
+            actual = float(actual)
         if math.isnan(actual) or math.isnan(expected):
             return math.isnan(actual) and math.isnan(expected)
         return math.isclose(actual, expected, rel_tol=rel_tol, abs_tol=abs_tol)
     if _isinstance(actual, (list, tuple)) and _isinstance(expected, (list, tuple)):
-        return _len(actual) == _len(expected) and all(values_equal(a, e, rel_tol, abs_tol) for a, e in zip(actual, expected))
+        return _len(actual) == _len(expected) and all(_values_equal(a, e, rel_tol, abs_tol) for a, e in zip(actual, expected))
     if _isinstance(actual, dict) and _isinstance(expected, dict):
         got, want = {_typed_key(k): v for k, v in actual.items()}, {_typed_key(k): v for k, v in expected.items()}
-        return got.keys() == want.keys() and all(values_equal(got[k], want[k], rel_tol, abs_tol) for k in got)
+        return got.keys() == want.keys() and all(_values_equal(got[k], want[k], rel_tol, abs_tol) for k in got)
     if _isinstance(actual, (set, frozenset)) and _isinstance(expected, (set, frozenset)):
         return {_typed_key(v) for v in actual} == {_typed_key(v) for v in expected}
     return _type(actual) is _type(expected) and actual == expected
@@ -290,7 +303,15 @@ def _integer_text(token):
 
 def tokens_match(actual, expected, rel_tol=REL_TOL, abs_tol=ABS_TOL):
     """One stdout token against the expected one: integers exactly (an expected integer needs an integer),
-    other numbers within the tolerance, anything else as text."""
+    other numbers within the tolerance, anything else as text. Never raises (a number past the float range
+    reads as infinity)."""
+    try:
+        return _tokens_match(actual, expected, rel_tol, abs_tol)
+    except (OverflowError, ValueError, MemoryError):
+        return False
+
+
+def _tokens_match(actual, expected, rel_tol, abs_tol):
     if actual == expected:
         return True
     if _is_integer_token(expected):
@@ -427,14 +448,20 @@ SYSCALLS_DENIED = (
     250, 248, 249, 321, 298, 323, 425, 426, 427, 438,  # keyrings, bpf, perf, userfaultfd, io_uring, pidfd_getfd
     246, 320, 175, 313, 176, 304, 303, 163, 167, 168, 169, 170, 171, 172, 173, 179, 312, 135, 212, 153, 103,
 )
-SYS_CLONE, SYS_CLONE3, SYS_SOCKET = 56, 435, 41
+SYS_CLONE, SYS_CLONE3, SYS_SOCKET, SYS_SOCKETPAIR = 56, 435, 41, 53
 NAMESPACE_FLAGS = CLONE_NEWNS | CLONE_NEWCGROUP | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWUSER | CLONE_NEWPID | CLONE_NEWNET
-AF_UNIX, AF_NETLINK = 1, 16
+AF_UNIX, AF_INET, AF_INET6 = 1, 2, 10
+SOCKET_FAMILIES = (AF_INET, AF_INET6)
+"""The only families ``socket`` may create (in the candidate's empty network namespace: nothing to reach)."""
+SOCKETPAIR_FAMILIES = (AF_UNIX,)
+"""The only family ``socketpair`` may create: an unnamed pair, reachable only by the program's own processes
+(asyncio's event loop makes one)."""
 
 
 def seccomp_program():
-    """Classic BPF: kill other architectures; EPERM for ``SYSCALLS_DENIED``, namespace flags to ``clone``,
-    ``socket(AF_UNIX|AF_NETLINK)``; ENOSYS for ``clone3`` (its flags are out of reach, libc falls back to clone)."""
+    """Classic BPF: kill other architectures; EPERM for ``SYSCALLS_DENIED``, namespace flags to ``clone``, a
+    ``socket`` of any family but ``SOCKET_FAMILIES``, a ``socketpair`` of any but ``SOCKETPAIR_FAMILIES``; ENOSYS for
+    ``clone3`` (its flags are out of reach, libc falls back to clone)."""
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     allow, kill = 0x7FFF0000, 0x80000000
     deny, nosys = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
@@ -442,9 +469,13 @@ def seccomp_program():
     blocks = {
         "start": [(ld, None, 4), (jeq, "syscall", AUDIT_ARCH_X86_64), (ret, None, kill)],
         "syscall": [(ld, None, 0), (jge, "deny", 0x40000000), (jeq, "clone", SYS_CLONE), (jeq, "socket", SYS_SOCKET),
-                    (jeq, "nosys", SYS_CLONE3)] + [(jeq, "deny", nr) for nr in SYSCALLS_DENIED] + [(ret, None, allow)],
+                    (jeq, "socketpair", SYS_SOCKETPAIR), (jeq, "nosys", SYS_CLONE3)]
+                   + [(jeq, "deny", nr) for nr in SYSCALLS_DENIED] + [(ret, None, allow)],
         "clone": [(ld, None, 16), (jset, "deny", NAMESPACE_FLAGS), (ret, None, allow)],  # args[0], low 32 bits
-        "socket": [(ld, None, 16), (jeq, "deny", AF_UNIX), (jeq, "deny", AF_NETLINK), (ret, None, allow)],
+        # args[0] (the family, an int: the kernel reads its low 32 bits, as this does)
+        "socket": [(ld, None, 16)] + [(jeq, "allow", family) for family in SOCKET_FAMILIES] + [(ret, None, deny)],
+        "socketpair": [(ld, None, 16)] + [(jeq, "allow", family) for family in SOCKETPAIR_FAMILIES] + [(ret, None, deny)],
+        "allow": [(ret, None, allow)],
         "nosys": [(ret, None, nosys)],
         "deny": [(ret, None, deny)],
     }
@@ -677,7 +708,9 @@ def serve(job, req_fd, resp_fd, libc, log=None):
         reply({"status": "error", "error": _type(e).__name__, "line": getattr(e, "lineno", None)})
         return
     namespace = None
-    if job["kind"] != "stdin":
+    if job["kind"] == "stdin":
+        reply({"status": "ok"})  # compiled: the setup answer (its feedback may name a line: no test input was sent yet)
+    else:
         namespace = fresh_namespace()
         capture = Capture(b"")
         outcome = run_guarded(lambda: exec(code, namespace), exit_ok=False)
@@ -747,6 +780,7 @@ class Driver:
         self.isolated = None
         self.lines = job["program"].count("\n") + 1
         self.oom_before = 0
+        self.started = time.monotonic()
 
     # -- candidates
     def spawn(self, clean_memory):
@@ -903,13 +937,15 @@ class Driver:
             left -= _len(chunk)
         return b"".join(chunks)
 
-    def summary(self, answer):
-        """Feedback from an answer: the class of a builtin exception and the program's line, nothing else."""
+    def summary(self, answer, setup=False):
+        """Feedback from an answer: the class of a builtin exception, nothing else; and the program's line only for
+        a ``setup`` answer (compiling the program, its top level), which the candidate sends before it is given
+        any test's input: a line reached on a hidden input could spell that input out."""
         error, line = answer.get("error"), answer.get("line")
         if _type(error) is not str:
             return ""
         name = error if error in BUILTIN_EXCEPTIONS else "an exception of the program's own class"
-        if _type(line) is int and 1 <= line <= self.lines:
+        if setup and _type(line) is int and 1 <= line <= self.lines:
             return "%s at line %d of the program" % (name, line)
         return name
 
@@ -938,17 +974,29 @@ def answer_status(answer):
     return status if status in ("ok", "error", "memory", "output_limit") else "error"
 
 
+RETAINED_BYTES = 64 << 20
+"""Answers' stdout the driver keeps to judge after the run; past it, an answer is judged when it arrives."""
+BUDGET_MARGIN_S = 3.0
+"""Seconds before the run's total budget (``max_total_s``) at which the driver starts no further test, so that
+it can still report every verdict before the grader's clock ends the run."""
+
+
 def run_tests(driver, tests, reporter):
-    """Every test in order: ``start``, one exchange (or a ``check`` run), ``done`` with the verdict.
+    """Every test in order, then the verdicts: ``alive`` after each test, and only once the candidate has ended
+    ``start``/``done`` with each verdict (answers are compared then, so that no reply, timing included, tells the
+    candidate whether an earlier answer was right).
 
     A candidate that ended, timed out or answered out of bounds is replaced by a fresh one for the next
     test (its top level runs again); after ``max_restarts`` replacements the remaining tests fail alike."""
     job, limits = driver.job, driver.limits
     kind, timeout_s = job["kind"], limits["timeout_s"]
-    restarts, given_up = 0, None
+    budget_end = driver.started + limits.get("max_total_s", math.inf) - BUDGET_MARGIN_S
+    restarts, given_up, results, retained = 0, None, [], [0]
     for i in range(_len(tests["cases"])):
-        reporter.send(event="start", i=i)
         started = time.monotonic()
+        pending = None
+        if given_up is None and started + timeout_s > budget_end:
+            given_up = ("timeout", "")
         if given_up is not None:
             status, error = given_up
         else:
@@ -956,22 +1004,30 @@ def run_tests(driver, tests, reporter):
                 if driver.pid is None:
                     restarts += 1
                     driver.spawn(clean_memory=True)
-                    if kind != "stdin":
-                        setup = driver.answer(time.monotonic() + timeout_s, 1 << 16)
-                        if answer_status(setup) != "ok":
-                            given_up = (answer_status(setup), driver.summary(setup))
-                            raise Lost(given_up[0])
-                status, error = judge(driver, kind, tests, i, timeout_s)
+                    setup = driver.answer(time.monotonic() + timeout_s, 1 << 16)
+                    if answer_status(setup) != "ok":
+                        given_up = (answer_status(setup), driver.summary(setup, setup=True))
+                        raise Lost(given_up[0])
+                status, error, pending = judge(driver, kind, tests, i, timeout_s, retained)
             except Lost as lost:
                 status, error = lost.status, given_up[1] if given_up else ""
                 driver.close()
             if restarts >= limits["max_restarts"] and driver.pid is None and given_up is None:
                 given_up = (status, "")
-        reporter.send(event="done", i=i, status=status, error=error[:300], seconds=time.monotonic() - started)
+        results.append((status, error, pending, time.monotonic() - started))
+        reporter.send(event="alive")
+    driver.close()
+    for i, (status, error, pending, seconds) in enumerate(results):
+        if pending is not None:
+            status = "passed" if pending() else "failed"
+        reporter.send(event="start", i=i)
+        reporter.send(event="done", i=i, status=status, error=error[:300], seconds=seconds)
 
 
-def judge(driver, kind, tests, i, timeout_s):
-    """``(status, feedback)`` of test ``i``; raises ``Lost`` when the candidate must be replaced."""
+def judge(driver, kind, tests, i, timeout_s, retained):
+    """``(status, feedback, pending)`` of test ``i``: ``pending`` is None, or the comparison still to make
+    (``status`` is then None), kept for after the run while ``retained[0]`` (bytes of stdout kept) allows.
+    Raises ``Lost`` when the candidate must be replaced."""
     case = tests["cases"][i]
     deadline = time.monotonic() + timeout_s
     file_bytes = driver.limits["file_bytes"]
@@ -979,39 +1035,65 @@ def judge(driver, kind, tests, i, timeout_s):
         answer = driver.request(("run", case["input"].encode("utf-8")), deadline, file_bytes + 4096)
         status = answer_status(answer)
         if status != "ok":
-            return status, driver.summary(answer)
+            return status, driver.summary(answer), None
         stdout = answer.get("stdout")
-        return ("passed" if _type(stdout) is str and outputs_match(stdout, case["output"]) else "failed"), ""
+        if _type(stdout) is not str:
+            return "failed", "", None
+        retained[0] += _len(stdout)
+        pending = lambda: outputs_match(stdout, case["output"])  # noqa: E731
+        return (None, "", pending) if retained[0] <= RETAINED_BYTES else ("passed" if pending() else "failed", "", None)
     if kind == "call":
         cap = min(file_bytes, 8 * case["size"] + 4096)  # no right answer is that much longer than the expected one
         try:
             answer = driver.request(("eval", case["call"]), deadline, cap)
         except Lost as lost:
             if lost.status == "output_limit":
-                return "failed", ""  # far too long to be right: not even read
+                return "failed", "", None  # far too long to be right: not even read
             raise
         status = answer_status(answer)
         if status != "ok":
-            return status, driver.summary(answer)
+            return status, driver.summary(answer), None
         if "value" not in answer:
-            return "error", ""
-        expected = case["expected"]
-        if _type(expected) is tuple and _len(expected) == 2 and expected[0] == "__raw__":
-            actual = answer["value"]
-            right = _type(actual) is int and str(actual) == expected[1]
-        else:
-            try:
-                right = values_equal(answer["value"], expected)
-            except RecursionError:  # an answer nested as deeply as the decoder allows
-                right = False
-        return ("passed" if right else "failed"), ""
-    return run_check(driver, tests, deadline)
+            return "error", "", None
+        return None, "", lambda: call_answer_right(answer["value"], case["expected"])
+    status, error = run_check(driver, tests, deadline)
+    return status, error, None
+
+
+def call_answer_right(actual, expected):
+    """Whether a call test's answer equals the expected value (an integer too long for ``ast`` is digits)."""
+    if _type(expected) is tuple and _len(expected) == 2 and expected[0] == "__raw__":
+        return _type(actual) is int and str(actual) == expected[1]
+    return values_equal(actual, expected)  # never raises: deep nesting, huge integers are not equal
+
+
+RECORD, PASS_THROUGH = "__marft_record__", "__marft_pass_through__"
+
+
+def every_assert_runs(code):
+    """The test code with each ``assert test, message`` turned into ``record(test)`` inside a ``try`` (an exception
+    of the test records a failure; the candidate's own failure and the clock pass through): the check goes on
+    after a failed assertion, so the candidate is called just as often whether its answers were right or not.
+    Messages are never evaluated."""
+    import ast
+
+    class Recorder(ast.NodeTransformer):
+        def visit_Assert(self, node):
+            record = ast.Expr(ast.Call(ast.Name(RECORD, ast.Load()), [node.test], []))
+            failed = ast.Expr(ast.Call(ast.Name(RECORD, ast.Load()), [ast.Constant(False)], []))
+            handlers = [ast.ExceptHandler(ast.Name(PASS_THROUGH, ast.Load()), None, [ast.Raise(None, None)]),
+                        ast.ExceptHandler(ast.Name("BaseException", ast.Load()), None, [failed])]
+            return ast.copy_location(ast.Try([record], handlers, [], []), node)
+
+    tree = Recorder().visit(ast.parse(code, "<test>"))
+    return compile(ast.fix_missing_locations(tree), "<test>", "exec")
 
 
 def run_check(driver, tests, deadline):
     """HumanEval's ``check(candidate)`` here, in a fresh namespace built from the prompt and the test code, with a
-    proxy that forwards plain-data calls to the candidate. Passed only when ``check`` returns normally."""
-    failures = []
+    proxy that forwards plain-data calls to the candidate. Every assertion runs (:func:`every_assert_runs`); passed
+    only when none failed and ``check`` returned normally. Test code that raises on an answer fails the test."""
+    failures, asserted = [], []
 
     def candidate(*args, **kwargs):
         if failures:
@@ -1031,7 +1113,8 @@ def run_check(driver, tests, deadline):
             raise failures[-1]
         return answer["value"]
 
-    namespace = {"__name__": "__check__", "__builtins__": builtins}
+    namespace = {"__name__": "__check__", "__builtins__": builtins, PASS_THROUGH: (HarnessTimeout, CandidateFailed),
+                 RECORD: lambda ok: asserted.append(bool(ok))}
     remaining = deadline - time.monotonic()
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, max(remaining, 0.001))
@@ -1039,18 +1122,16 @@ def run_check(driver, tests, deadline):
         if tests.get("prompt"):
             exec(compile(tests["prompt"], "<prompt>", "exec"), namespace)
         namespace[driver.job["entry_point"]] = candidate  # test code may call the function by name (HumanEval/33)
-        exec(compile(tests["code"], "<test>", "exec"), namespace)
+        exec(every_assert_runs(tests["code"]), namespace)
         namespace["check"](candidate)
-        outcome = ("passed", "")
+        outcome = ("passed", "") if all(asserted) else ("failed", "AssertionError in the hidden tests")
     except HarnessTimeout:
         driver.close()
         outcome = ("timeout", "")
     except CandidateFailed as e:
         outcome = (e.status if e.status != "ok" else "error", e.error)
-    except AssertionError:
-        outcome = ("failed", "AssertionError in the hidden tests")
-    except BaseException as e:  # noqa: BLE001 - the test code raised (e.g. on a wrong type from the candidate)
-        outcome = ("error", "%s in the hidden tests" % (_type(e).__name__ if _type(e).__name__ in BUILTIN_EXCEPTIONS else "an exception"))
+    except BaseException as e:  # noqa: BLE001 - the test code raised (e.g. on a wrong type from the candidate): a wrong answer
+        outcome = ("failed", "%s in the hidden tests" % (_type(e).__name__ if _type(e).__name__ in BUILTIN_EXCEPTIONS else "an exception"))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     if failures and outcome[0] in ("passed", "failed"):
@@ -1087,11 +1168,10 @@ def main():
             os.close(0)
             reporter.send(event="ready", isolated=driver.isolated)
             ready_sent = True
-            if job["kind"] != "stdin":
-                setup = driver.answer(time.monotonic() + job["limits"]["timeout_s"], 1 << 16)
-                if answer_status(setup) != "ok":
-                    reporter.send(event="setup_failed", status=answer_status(setup), error=driver.summary(setup)[:300])
-                    return
+            setup = driver.answer(time.monotonic() + job["limits"]["timeout_s"], 1 << 16)
+            if answer_status(setup) != "ok":
+                reporter.send(event="setup_failed", status=answer_status(setup), error=driver.summary(setup, setup=True)[:300])
+                return
         except Lost as lost:
             if driver.isolated is not None and not ready_sent:
                 reporter.send(event="ready", isolated=driver.isolated)

@@ -16,7 +16,8 @@ file system         a minimal read-only root (system folders without site-packag
                     nodes, its own ``/proc``) and a size-limited tmpfs ``/sandbox``
 user                an unprivileged uid/gid of its own per concurrent run (a *slot*, held with
                     ``flock`` so concurrent graders never share one), ``no_new_privs``
-seccomp             no namespaces, ptrace, System V IPC, AF_UNIX sockets, mounts, bpf, io_uring
+seccomp             no namespaces, ptrace, System V IPC, sockets but AF_INET/AF_INET6, mounts, bpf,
+                    io_uring, page-cache probes and advice, file locks, inotify
 ==================  ===========================================================================
 
 After the run every process left in the slot's cgroups (or, without cgroups, of its uid) is killed.
@@ -124,7 +125,8 @@ class Isolation:
     filesystem: bool = False
     """A minimal read-only root: system folders without site-packages, its own /proc, a tmpfs /sandbox."""
     seccomp: bool = False
-    """A seccomp filter denying namespaces, ptrace, SysV IPC, AF_UNIX/netlink sockets, mounts, bpf, io_uring."""
+    """A seccomp filter denying namespaces, ptrace, SysV IPC, sockets but AF_INET/AF_INET6, mounts, bpf, io_uring,
+    page-cache probes and advice, file locks and inotify."""
 
     def describe(self) -> str:
         """One line naming what is and is not isolated."""
@@ -470,7 +472,8 @@ class HarnessRun:
                           "limits": {"cpu_s": self.limits.cpu_seconds(len(self.tests["cases"])), "memory_mb": self.limits.memory_mb,
                                      "file_bytes": self.limits.file_bytes, "disk_bytes": self.limits.disk_bytes,
                                      "open_files": self.limits.open_files, "processes": self.limits.processes,
-                                     "timeout_s": self.limits.timeout_s, "max_restarts": self.limits.max_restarts}}
+                                     "timeout_s": self.limits.timeout_s, "max_restarts": self.limits.max_restarts,
+                                     "max_total_s": max(0.0, self.deadline - time.monotonic())}}
                 proc = subprocess.Popen([sandbox_python(), "-I", "-S", str(HARNESS)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                         stderr=err_fd, pass_fds=(write_fd,), env=SANDBOX_ENV, cwd="/", start_new_session=True)
                 os.close(write_fd)
@@ -572,7 +575,8 @@ class HarnessRun:
         self.result.errors.clear()
 
     def _event(self, event: dict) -> None:
-        """One event, type-checked and in order: ready, then per test start/done, then finished."""
+        """One event, type-checked and in order: ready, ``alive`` after each test ran (its answer is judged after
+        the run), then per test start/done with the verdict, then finished."""
         if type(event) is not dict or type(event.get("event")) is not str:
             raise ValueError("not an event")
         kind, result, n = event["event"], self.result, len(self.tests["cases"])
@@ -602,6 +606,8 @@ class HarnessRun:
             result.end, result.end_status = "died", "error"
         elif kind == "finished" and self._started is None and self._next == n:
             pass
+        elif kind == "alive" and self._started is None and len(event) == 1:
+            pass  # a test ran: the backstop clock restarts
         else:
             raise ValueError(f"unexpected event {kind!r}")
 
