@@ -303,3 +303,137 @@ def test_the_driver_stops_before_the_budget_and_still_reports_every_verdict(cont
                               limits=SandboxLimits(timeout_s=1.5, memory_mb=512, startup_s=30, max_total_s=8))
     assert report.passed >= 1 and report.statuses[-1] == "timeout" and report.notes == (), report
     assert set(report.statuses) == {"passed", "timeout"} and seconds < 12
+
+
+# ---------------------------------------------------------------- no state shared between runs: page cache, locks, inotify
+
+PAGE_CACHE = (
+    "import ctypes, os\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "libc.mmap.restype = ctypes.c_void_p\n"
+    "libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]\n"
+    "libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]\n"
+    "libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]\n"
+    "FOLDER = os.path.join(os.path.dirname(os.__file__), 'email')\n"
+    "FILES = sorted(os.path.join(FOLDER, n) for n in os.listdir(FOLDER) if n.endswith('.py'))[:16]\n"
+    "def warm():\n"
+    "    for path in FILES:\n"
+    "        with open(path, 'rb') as f:\n"
+    "            f.read()\n"
+    "    return 0\n"
+    "def mark():  # evict: posix_fadvise(DONTNEED), and madvise(MADV_PAGEOUT) on a mapping\n"
+    "    for path in FILES:\n"
+    "        fd = os.open(path, os.O_RDONLY)\n"
+    "        try:\n"
+    "            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "        size = os.fstat(fd).st_size\n"
+    "        addr = libc.mmap(None, size, 1, 1, fd, 0)\n"
+    "        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(size), 21)\n"
+    "        libc.munmap(addr, size)\n"
+    "        os.close(fd)\n"
+    "    return 0\n"
+    "def bit(k):  # is file k's first page in the page cache? (preadv2(RWF_NOWAIT), else mincore, else -1)\n"
+    "    fd = os.open(FILES[k], os.O_RDONLY)\n"
+    "    try:\n"
+    "        return int(os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT) > 0)\n"
+    "    except BlockingIOError:\n"
+    "        return 0\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "    size = os.fstat(fd).st_size  # mincore: the kernel reports a file only its owner could write as all cached\n"
+    "    addr = libc.mmap(None, size, 1, 1, fd, 0)\n"
+    "    vec = (ctypes.c_ubyte * ((size + 4095) // 4096))()\n"
+    "    ok = libc.mincore(ctypes.c_void_p(addr), size, vec) == 0\n"
+    "    libc.munmap(addr, size)\n"
+    "    return vec[0] & 1 if ok else -1\n"
+)
+"""A program that warms or evicts 16 standard-library files (shared with every run: host ``/usr`` read-only) and
+reads back, one bit per file, whether each is cached."""
+
+
+@needs_root
+def test_a_run_cannot_leave_a_mark_in_the_page_cache_for_the_next(contained):
+    """Run 1 warms (or evicts, with fadvise/madvise) 16 shared files; run 2 reads their residency (mincore,
+    preadv2 with RWF_NOWAIT) and reports it through its statuses, one test per file. Run 2 must see no difference."""
+    observe = [{"call": f"bit({k})", "expected": "1"} for k in range(16)]
+    assert hostile(PAGE_CACHE, [{"call": "len(FILES)", "expected": "16"}])[0].statuses == ("passed",)
+    hostile(PAGE_CACHE, [{"call": "warm()", "expected": "0"}])
+    after_warming = hostile(PAGE_CACHE, observe)[0].statuses
+    hostile(PAGE_CACHE, [{"call": "mark()", "expected": "0"}])
+    after_evicting = hostile(PAGE_CACHE, observe)[0].statuses
+    assert after_warming == after_evicting, (after_warming, after_evicting)
+
+
+LOCKS = (
+    "import fcntl, os, struct, time\n"
+    "PATH = os.__file__\n"
+    "def hold():  # a lock on a shared read-only file, held for 3 s\n"
+    "    f = open(PATH, 'rb')\n"
+    "    for attempt in (lambda: fcntl.flock(f, fcntl.LOCK_SH), lambda: fcntl.lockf(f, fcntl.LOCK_SH)):\n"
+    "        try:\n"
+    "            attempt()\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "    time.sleep(3)\n"
+    "    return 0\n"
+    "def probe(kind):  # 0: no other run holds a lock; 11 (EAGAIN) or 35: one does; 1: denied\n"
+    "    time.sleep(1)\n"
+    "    f = open(PATH, 'rb')\n"
+    "    try:\n"
+    "        if kind == 'flock':\n"
+    "            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "        else:\n"
+    "            lock = fcntl.fcntl(f, fcntl.F_GETLK, struct.pack('hhqqi', fcntl.F_WRLCK, 0, 0, 0, 0))\n"
+    "            return 0 if struct.unpack('hhqqi', lock)[0] == fcntl.F_UNLCK else 11\n"
+    "        return 0\n"
+    "    except OSError as e:\n"
+    "        return e.errno\n"
+)
+
+
+@needs_root
+def test_a_lock_on_a_shared_file_is_no_channel_between_concurrent_runs(contained):
+    """flock/fcntl locks on a file every run can read (the standard library) signal between runs at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    probes = [{"call": "probe('flock')", "expected": "0"}, {"call": "probe('fcntl')", "expected": "0"}]
+    limits = FAST.__class__(timeout_s=5, memory_mb=512, startup_s=30)
+    alone = run_tests(LOCKS, probes, limits=limits).statuses
+    with ThreadPoolExecutor(2) as pool:
+        holder = pool.submit(run_tests, LOCKS, [{"call": "hold()", "expected": "0"}], limits=limits)
+        beside = pool.submit(run_tests, LOCKS, probes, limits=limits)
+        beside, holder = beside.result().statuses, holder.result().statuses
+    assert holder == ("passed",) and alone == beside, (alone, beside)
+
+
+@needs_root
+def test_page_cache_advice_probes_locks_and_inotify_are_denied(contained):
+    """Each call the filter denies for issue 78, by number, with arguments that would work (the program returns
+    the errnos; 1 is EPERM from the filter, 38 ENOSYS for preadv2/pwritev2)."""
+    program = ("import ctypes, os\n"
+               "libc = ctypes.CDLL(None, use_errno=True)\n"
+               "libc.syscall.restype = ctypes.c_long\n"
+               "def err(nr, *args):\n"
+               "    ctypes.set_errno(0)\n"
+               "    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])\n"
+               "    return ctypes.get_errno() if r == -1 else 0\n"
+               "def probe():\n"
+               "    fd = os.open(os.__file__, os.O_RDONLY)\n"
+               "    buf = ctypes.create_string_buffer(4096)\n"
+               "    iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 4096)\n"
+               "    vec = ctypes.create_string_buffer(16)\n"
+               "    page = libc.valloc(4096)\n"
+               "    out = [err(221, fd, 0, 0, 4), err(187, fd, 0, 4096), err(327, fd, ctypes.addressof(iov), 1, 0, 0, 8),\n"
+               "           err(328, fd, ctypes.addressof(iov), 1, 0, 0, 0), err(27, page, 4096, ctypes.addressof(vec)),\n"
+               "           err(451, fd, 0, 0, 0), err(73, fd, 1 | 4), err(72, fd, 5, 0), err(72, fd, 6, 0), err(72, fd, 7, 0),\n"
+               "           err(72, fd, 36, 0), err(72, fd, 37, 0), err(72, fd, 38, 0), err(72, fd, 1026, 0), err(72, fd, 1024, 0),\n"
+               "           err(253), err(294, 0), err(254, 0, 0, 0), err(300, 0, 0), err(28, page, 4096, 3),\n"
+               "           err(28, page, 4096, 20), err(28, page, 4096, 21), err(28, page, 4096, 22), err(28, page, 4096, 23),\n"
+               "           err(440, 0, 0, 0, 0, 0), err(216, page, 4096, 0, 0, 0)]\n"
+               "    return out + [err(28, page, 4096, 4), err(72, fd, 1, 0)]  # MADV_DONTNEED, F_GETFD: allowed\n")
+    eperm, enosys = 1, 38
+    expected = [eperm, eperm, enosys, enosys] + [eperm] * 22 + [0, 0]
+    report, _ = hostile(program, [{"call": "probe()", "expected": repr(expected)}])
+    assert report.statuses == ("passed",), report
