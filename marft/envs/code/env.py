@@ -7,11 +7,11 @@ reward is ``passed / total`` for every agent, and the task is solved when all te
 A reply without a code block gets reward 0 and is counted (``missing_code_blocks``).
 
 With ``horizon > 1`` an unsolved step gets judge feedback naming the tests that did not pass
-and the first failure's exception class and line (never the hidden inputs, expected outputs or
-anything the program printed), and the team tries again::
+and the first failure's exception class (its line only for a failure before any test input; never the hidden
+inputs, expected outputs or anything the program printed), and the team tries again::
 
     Judge: Passed 3 of 5 tests. Not passed: test 2 (wrong answer), test 4 (time limit).
-    stderr (end): ZeroDivisionError at line 4 of the program
+    stderr (end): ZeroDivisionError
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ Verdicts belong to the trusted **driver** (``harness.py``), a process the progra
 it holds the expected outputs and HumanEval's test code, sends the candidate one request at a
 time, bounds each answer's size before decoding it, compares it (integers exactly) and reports
 one verdict per test. Here each verdict is accepted once, in order and type-checked; a malformed
-event fails the program. Feedback (``TestReport.stderr``) is only the class of a builtin exception
-and the program's line: never hidden inputs, expected outputs or the program's own text.
+event fails every test of the program. Feedback (``TestReport.stderr``) is only the class of a builtin exception,
+with the program's line only for a failure before any test input: never hidden inputs, expected outputs or the
+program's own text.
 """
 
 from __future__ import annotations

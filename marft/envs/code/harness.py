@@ -27,7 +27,8 @@ read only up to a size bound and decoded by the C JSON scanner, integers by leng
 Requests (``job["kind"]``): ``stdin`` runs the program afresh with the test's input on fd 0
 and returns its stdout; ``call`` evaluates a call expression in the program's namespace;
 ``check`` calls ``entry_point`` with arguments the driver's ``check`` code passed to its proxy.
-Feedback carries only the status, the class of a builtin exception and the program's line.
+Feedback carries only the status and the class of a builtin exception (the program's line only for a setup
+failure, before any test input). Verdicts reach the grader only after the candidate has ended.
 """
 
 import builtins

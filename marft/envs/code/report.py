@@ -32,8 +32,9 @@ class TestReport:
     statuses: tuple[str, ...]
     """One of ``STATUSES`` per test, in test order."""
     stderr: str = ""
-    """Feedback on the first failed test that has any: a builtin exception's class and the program's line
-    (``"ZeroDivisionError at line 3 of the program"``); never the program's output or hidden test data."""
+    """Feedback on the first failed test that has any: a builtin exception's class (``"ZeroDivisionError"``), with the
+    program's line only for a failure before any test input (``"SyntaxError at line 3 of the program"``); never the
+    program's output or hidden test data."""
     seconds: float = 0.0
     """Wall-clock time of the whole grading."""
     notes: tuple[str, ...] = field(default_factory=tuple)
