@@ -107,6 +107,19 @@ LR_SCHEDULES = {
 }
 """``--lr_schedule`` → how the learning rates move over a run (the one table of schedules)."""
 
+ON_COLLAPSE = {
+    "warn": "log a warning naming the best checkpoint and train on",
+    "stop": "save a checkpoint and end the run (its summary names the best checkpoint)",
+    "rollback": "reload the best checkpoint's adapters, critic and optimizers, make them the KL reference, lower the learning rates by --rollback_lr_factor, and train on",
+}
+"""``--on_collapse`` → what a run does when its moving training accuracy falls well below its best (the one table)."""
+
+KL_ESTIMATORS = {
+    "k3": "exp(r) - r - 1 with r = log p_ref - log p as the loss: its gradient on the policy's own samples is that of KL(reference || policy), which pulls like supervised training on the reference's replies",
+    "k2": "(log p - log p_ref)^2 / 2 as the loss: its gradient on the policy's own samples is that of KL(policy || reference), the KL of the regularised objective",
+}
+"""``--kl_estimator`` → the per-token KL term of the loss (the one table of estimators)."""
+
 TRAINERS: dict[str, str] = {
     "APPO": "marft.algorithms.appo_trainer:APPOTrainer",
     "TPPO": "marft.algorithms.tppo_trainer:TPPOTrainer",

@@ -30,9 +30,11 @@ from marft.choices import (
     GAME_VIEWS,
     GENERATION_BACKENDS,
     KL_COEF_DEFAULTS,
+    KL_ESTIMATORS,
     KL_REFERENCES,
     LR_SCHEDULES,
     NORMALIZATION_MODES,
+    ON_COLLAPSE,
     ROLLOUT_CORRECTIONS,
     TRAINERS,
     WORKFLOWS,
@@ -160,6 +162,8 @@ class AlgoConfig:
     """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, added to the policy loss in that loss's own units (MARFT-A and GRPO: a reply's KL, its tokens' combined as its log-prob is by --normalization_mode, averaged over each minibatch's replies; MARFT-T and GRPO's token-level loss: averaged over its reply tokens), so every token weighs it against its advantage alike. It keeps the agents near the protocol they start with: without it a team can drift into a private code that no single agent can leave (docs/troubleshooting.md). None (the default): 0.1 for MARFT-A and MARFT-T, 0.0125 for GRPO, whose group-relative advantages are zero on most replies once most groups all solve (docs/algorithms.md). 0: none, no reference forward."""
     kl_reference: str = "auto"
     """The KL penalty's reference policy: base (the base model, adapters off), initial (each agent's adapter as training started, kept frozen: a copy of the adapters, saved in checkpoints) or auto (initial when training starts from --load_path, e.g. a scripts/sft.py warm start; base otherwise). A run records what auto meant, so a resumed run keeps its reference."""
+    kl_estimator: str = "k3"
+    """The KL term's estimator per reply token: k3 (exp(r) - r - 1, r = log p_ref - log p; as a loss on the policy's own samples its gradient is that of KL(reference || policy), a pull like supervised training on the reference's replies, toward every reply the reference would write) or k2 ((log p - log p_ref)^2 / 2; its gradient is that of KL(policy || reference), the KL of the regularised objective, which lets a policy settle on the replies that pay). Both are r^2 / 2 for small r, so --kl_coef means the same near the reference (docs/algorithms.md)."""
     lr: float = 1e-3
     """Learning rate of the agents' adapters."""
     critic_lr: float = 1e-3
@@ -233,6 +237,7 @@ class AlgoConfig:
         check_choice("credit_assignment", self.credit_assignment)
         check_choice("kl_reference", self.kl_reference)
         check_choice("lr_schedule", self.lr_schedule)
+        check_choice("kl_estimator", self.kl_estimator)
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
@@ -280,6 +285,14 @@ class RunnerConfig:
     """Resume from a ``checkpoints/steps_<N>`` folder, or from a run directory's latest complete checkpoint; flags not given are taken from the checkpoint's config."""
     keep_checkpoints: int = 2
     """Keep only the newest this many checkpoints, deleting older ones after each complete save (0: keep all); the newest, complete one is never deleted."""
+    on_collapse: str = "rollback"
+    """What a run does when its moving training accuracy (the mean over --collapse_window iterations) falls --collapse_drop or more below its best: warn (log a warning naming checkpoints/best), stop (save and end the run) or rollback (reload checkpoints/best's adapters, critic and optimizers, make them the KL reference, scale the learning rates by --rollback_lr_factor, train on; counted as counters/rollbacks). Whatever this says, every run keeps checkpoints/best, the policy of its best moving training accuracy (docs/runs.md)."""
+    collapse_window: int = 20
+    """Iterations in the moving training accuracy that picks checkpoints/best and judges a collapse (a collapse is judged on a full window after the best)."""
+    collapse_drop: float = 0.15
+    """How far (absolute accuracy) the moving training accuracy must fall below its best to count as a collapse."""
+    rollback_lr_factor: float = 0.5
+    """--on_collapse rollback: the learning rates (--lr, --critic_lr) are multiplied by this at each rollback, for the rest of the run."""
     continue_on_save_error: bool = False
     """When a checkpoint cannot be written (disk full, quota, any write error): warn and train on (default: stop cleanly, exit code 74); the partial folder is removed either way."""
     dist_timeout_s: float = 300.0
@@ -287,6 +300,7 @@ class RunnerConfig:
 
     def __post_init__(self):
         check_fields(self)
+        check_choice("on_collapse", self.on_collapse)
 
 
 @dataclass
@@ -379,7 +393,8 @@ CHOICES: dict[str, dict] = {"dtype": DTYPES, "algorithm_name": TRAINERS, "normal
                             "critic_mode": CRITIC_MODES, "critic_init": CRITIC_INITS, "credit_assignment": CREDIT_MODES, "workflow": WORKFLOWS,
                             "game_view": GAME_VIEWS,
                             "chat_template": CHAT_TEMPLATE_MODES, "generation_backend": GENERATION_BACKENDS,
-                            "kl_reference": KL_REFERENCES, "lr_schedule": LR_SCHEDULES}
+                            "kl_reference": KL_REFERENCES, "lr_schedule": LR_SCHEDULES, "on_collapse": ON_COLLAPSE,
+                            "kl_estimator": KL_ESTIMATORS}
 """Flags with a fixed set of values → the one table that defines them (its keys are the allowed values)."""
 
 

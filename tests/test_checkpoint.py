@@ -227,7 +227,7 @@ def test_a_resume_with_another_rollout_size_counts_the_schedule_in_env_steps(ran
     assert main(flags(random_model_dir, 2, run, "--agent_iteration_interval", "4", "--save_interval", "1", "--keep_checkpoints", "0")) == 0
     assert main(["--load_path", str(run), "--n_rollout_threads", "4", "--num_env_steps", "12"]) == 0
     checkpoints = run / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["steps_1", "steps_2", "steps_3", "steps_4"]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name != "best") == ["steps_1", "steps_2", "steps_3", "steps_4"]
     states = {i: json.loads((checkpoints / f"steps_{i}" / "trainer_state.json").read_text()) for i in (2, 3, 4)}
     assert [states[i]["env_steps"] for i in (2, 3, 4)] == [4, 8, 12]
     before, after = weights(checkpoints / "steps_2"), weights(checkpoints / "steps_3")
@@ -242,13 +242,13 @@ def test_resuming_a_finished_run_says_nothing_is_left_to_train(trained_run, tmp_
     assert main(["--load_path", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nothing is left to train" in err[0] and f"--num_env_steps {E * (N + 1)}" in err[0], err
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"steps_{i}" for i in range(1, N + 1)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == [f"steps_{i}" for i in range(1, N + 1)]
 
 
 def test_keep_checkpoints_keeps_the_newest(random_model_dir, tmp_path):
     run = tmp_path / "run"
     assert main(flags(random_model_dir, 3, run, "--save_interval", "1", "--keep_checkpoints", "2")) == 0
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_2", "steps_3"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_2", "steps_3"]
 
 
 # ---------------------------------------------------------------------- kill -9 while saving
@@ -301,7 +301,7 @@ def test_kill_9_during_save_keeps_the_previous_checkpoint(random_model_dir, tmp_
 
     assert main(["--load_path", str(run)]) == 0  # continues from steps_1 in the same run directory
     assert not partial.exists(), "the partial checkpoint was not cleaned up"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["steps_1", "steps_2", "steps_3"]
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name != "best") == ["steps_1", "steps_2", "steps_3"]
     assert json.loads((run / "summary.json").read_text())["iterations"] == 3
 
 

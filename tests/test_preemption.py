@@ -153,7 +153,7 @@ def test_a_signal_saves_once_and_the_run_continues_exactly(random_model_dir, ref
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"stopped: {name}: stopped after iteration {stopped_at} of {ITERATIONS}") and f"--load_path {run}" in last, last
     assert find_checkpoint(run) == run / "checkpoints" / f"steps_{stopped_at}"
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"steps_{i}" for i in range(0 if stopped_at == 0 else 1, stopped_at + 1)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == [f"steps_{i}" for i in range(0 if stopped_at == 0 else 1, stopped_at + 1)]
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # put back after the run
 
     monkeypatch.undo()
@@ -166,7 +166,7 @@ def test_a_signal_without_periodic_saves_writes_the_one_checkpoint(random_model_
     run = tmp_path / "run"
     signal_at(monkeypatch, "rollout", 2 * T + 1)  # the first team step of iteration 3: abandoned at the second
     assert main(flags(random_model_dir, run)) == ExitCode.PREEMPTED
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_2"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_2"]
     monkeypatch.undo()
     assert main(["--load_path", str(run)]) == 0
     assert_same_final_checkpoint(reference, run / "checkpoints" / f"steps_{ITERATIONS}")
@@ -176,7 +176,7 @@ def test_periodic_saves_by_time_change_nothing_but_the_saves(random_model_dir, r
     """Saving after every iteration (a tiny --save_every_minutes) gives the same final checkpoint as no saves."""
     run = tmp_path / "run"
     assert main(flags(random_model_dir, run, "--save_every_minutes", "1e-9", "--keep_checkpoints", "0")) == 0
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"steps_{i}" for i in range(1, ITERATIONS + 1)]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == [f"steps_{i}" for i in range(1, ITERATIONS + 1)]
     assert_same_final_checkpoint(reference, run / "checkpoints" / f"steps_{ITERATIONS}")
 
 
@@ -211,12 +211,12 @@ def test_the_save_clock_by_time_alone(monkeypatch):
 def test_keep_checkpoints_by_default_keeps_two_and_never_the_only_one(random_model_dir, tmp_path):
     run = tmp_path / "run"
     assert main(flags(random_model_dir, run, "--save_interval", "1", iterations=3)) == 0
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_2", "steps_3"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_2", "steps_3"]
     from marft.training.checkpoint import prune_checkpoints
 
     assert prune_checkpoints(run / "checkpoints", 1) == [run / "checkpoints" / "steps_2"]
     assert prune_checkpoints(run / "checkpoints", 1) == []  # the only complete checkpoint stays
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_3"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_3"]
 
 
 # ---------------------------------------------------------------------- a second Ctrl-C, and signals from outside
@@ -260,7 +260,7 @@ def test_a_second_ctrl_c_exits_at_once(random_model_dir, tmp_path):
     result = run_child(tmp_path, "twice", flags(random_model_dir, run, "--save_interval", "1", env="relay_sum"))
     assert result.returncode == ExitCode.INTERRUPTED, result.stderr[-2000:]
     assert "second SIGINT: exiting at once without saving" in result.stderr and "Traceback" not in result.stderr
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_1"]  # the one before: intact
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_1"]  # the one before: intact
     assert find_checkpoint(run) == run / "checkpoints" / "steps_1"
 
 
@@ -342,10 +342,10 @@ def test_a_full_disk_stops_cleanly_naming_the_checkpoint_the_space_and_the_last_
     assert f"the last complete checkpoint is {run / 'checkpoints' / 'steps_1'}" in line and f"--load_path {run}" in line, line
     assert {"ENOSPC in safetensors": "No space left on device", "torch.save on a full disk": "usually a full disk",
             "EDQUOT writing the trainer state": "Disk quota exceeded"}[how] in line, line
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_1"]  # no partial folder
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_1"]  # no partial folder
     monkeypatch.undo()
     assert main(["--load_path", str(run)]) == 0  # space is back: continue
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_2", "steps_3"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_2", "steps_3"]
 
 
 def test_continue_on_save_error_warns_and_trains_on(random_model_dir, tmp_path, monkeypatch, caplog):
@@ -354,7 +354,7 @@ def test_continue_on_save_error_warns_and_trains_on(random_model_dir, tmp_path, 
     with caplog.at_level(logging.WARNING):
         assert main(flags(random_model_dir, run, "--save_interval", "1", "--continue_on_save_error", iterations=3)) == 0
     assert "could not write checkpoint steps_2" in caplog.text and "training goes on (--continue_on_save_error)" in caplog.text
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["steps_1", "steps_3"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_1", "steps_3"]
 
 
 @pytest.mark.parametrize("continue_on_error", [False, True])

@@ -125,10 +125,10 @@ class APPOTrainer(PPOTrainer):
             state["critic_optimizers"] = {c: opt.state_dict() for c, opt in self.critic_optimizers.items()}
         return state
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the policies' and the critics' optimizer states and the counters; learning rates come from the
-        current config (so ``--lr`` / ``--critic_lr`` may change on resume)."""
-        super().load_state_dict(state)
+    def load_optimizer_states(self, state: dict) -> None:
+        """The policies' and the critics' optimizer states; learning rates come from the current config (so
+        ``--lr`` / ``--critic_lr`` may change on resume)."""
+        super().load_optimizer_states(state)
         saved = {CRITIC_ADAPTER: state["critic_optimizer"]} if "critic_optimizer" in state else state.get("critic_optimizers", {})
         for critic, opt in self.critic_optimizers.items():
             opt.load_state_dict(saved[critic])

@@ -214,9 +214,11 @@ class PPOTrainer:
         return weights
 
     def add_reference_kl(self, token_logp: torch.Tensor, mb: TurnBatch, stats: dict, reply_mode: str | None = None) -> None:
-        """The KL(policy || reference) term of the loss, by the k3 estimator ``exp(r) - r - 1`` with
-        ``r = log p_ref - log p`` per real reply token (as GRPO papers put it in the loss; AReaL's reward penalty
-        would move it into the advantages). The reference is :meth:`reference_logprobs`'s.
+        """The KL term of the loss per real reply token, by ``--kl_estimator`` with ``r = log p_ref - log p``: k3,
+        ``exp(r) - r - 1`` (as GRPO papers put it in the loss; on the policy's own samples its gradient is
+        ``-E_ref[grad log p]``, that of KL(reference || policy): a pull toward every reply the reference writes), or
+        k2, ``r^2 / 2`` (its gradient ``E_p[-r grad log p]`` is that of KL(policy || reference), the regularised
+        objective's). The reference is :meth:`reference_logprobs`'s.
 
         Puts into ``stats`` the chunk's KL summed over its loss units (``kl_sum``, in the graph), which the update
         divides by the loss units of the global minibatch (:meth:`loss_units`), so the KL is weighed against the
@@ -233,8 +235,9 @@ class PPOTrainer:
                                "(reference_logprobs); a policy loss called on its own needs them too, or kl_coef 0")
         mask = mb.response_mask.float()  # (B, L)
         log_ratio = (mb.ref_logprobs - token_logp) * mask  # (B, L)
-        k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask  # (B, L)
-        stats["kl_sum"] = k3.sum() if reply_mode is None else normalize_logprobs(k3, mask, mb.n_words, reply_mode).sum()
+        k3 = (torch.exp(log_ratio) - log_ratio - 1) * mask  # (B, L): the KL's value, logged whatever the estimator
+        term = k3 if self.config.kl_estimator == "k3" else 0.5 * log_ratio.square() * mask  # (B, L) the loss's term
+        stats["kl_sum"] = term.sum() if reply_mode is None else normalize_logprobs(term, mask, mb.n_words, reply_mode).sum()
         stats["kl_to_reference"] = k3.sum().detach() / mask.sum().clamp(min=1)
 
     @torch.no_grad()
@@ -272,6 +275,9 @@ class PPOTrainer:
         return scores.logprobs, scores.entropy
 
     # ------------------------------------------------------------------ update
+    lr_factor: float = 1.0
+    """A factor on every learning rate for the rest of the run: 1, times ``--rollback_lr_factor`` per rollback to the
+    best checkpoint (``--on_collapse rollback``); in checkpoints, so a resumed run keeps it."""
     total_iterations: int = 0
     """Iterations of the whole run, the end of ``--lr_schedule``'s decay (the runner sets it; a resumed run recounts
     it). 0: unknown, the learning rates stay as configured."""
@@ -279,9 +285,10 @@ class PPOTrainer:
     def learning_rate_scale(self, iteration: int) -> float:
         """The factor on ``--lr`` and ``--critic_lr`` at ``iteration`` (0-based) under ``--lr_schedule``: 1 for
         ``constant``; ``1 - iteration / total_iterations`` for ``linear`` (1 at the first iteration, ``1 / total``
-        at the last); times ``(iteration + 1) / lr_warmup_iterations`` during ``--lr_warmup_iterations``."""
+        at the last); times ``(iteration + 1) / lr_warmup_iterations`` during ``--lr_warmup_iterations``; times
+        :attr:`lr_factor` (lowered by each rollback to the best checkpoint)."""
         warmup = self.config.lr_warmup_iterations
-        ramp = min(1.0, (iteration + 1) / warmup) if warmup else 1.0
+        ramp = self.lr_factor * (min(1.0, (iteration + 1) / warmup) if warmup else 1.0)
         if self.config.lr_schedule == "constant" or not self.total_iterations:
             return ramp
         return ramp * max(0.0, 1.0 - iteration / self.total_iterations)
@@ -562,20 +569,27 @@ class PPOTrainer:
             "counters": dict(self.counters),
             "consecutive_skips": dict(self.consecutive_skips),
             "entropy_coefs": dict(self.entropy_coefs),
+            "lr_factor": self.lr_factor,
         }
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore optimizer states and counters; learning rates come from the current config
-        (so ``--lr`` may change on resume)."""
-        for adapter, opt in self.policy_optimizers.items():
-            opt.load_state_dict(state["policy_optimizers"][adapter])
-            for group in opt.param_groups:
-                group["lr"] = self.config.lr
+        """Restore optimizer states, counters and the rollbacks' learning-rate factor; learning rates come from the
+        current config (so ``--lr`` may change on resume)."""
+        self.load_optimizer_states(state)
+        self.lr_factor = float(state.get("lr_factor", 1.0))
         self.counters.update(state.get("counters", {}))
         self.consecutive_skips.update(state.get("consecutive_skips", {}))
         if self.config.target_entropy is not None:  # adapted weights continue; a fixed --entropy_coef may change on resume
             self.entropy_coefs.update(state.get("entropy_coefs", {}))
+
+    def load_optimizer_states(self, state: dict) -> None:
+        """The optimizers' states alone (a rollback to the best checkpoint keeps the run's counters), each at its
+        configured learning rate (:meth:`set_learning_rates` sets the iteration's)."""
+        for adapter, opt in self.policy_optimizers.items():
+            opt.load_state_dict(state["policy_optimizers"][adapter])
+            for group in opt.param_groups:
+                group["lr"] = self.config.lr
 
 
 def _nanmean(values: list[float]) -> float:

@@ -28,6 +28,26 @@ def run(job: Callable[[], int]) -> int:
         return ExitCode.BAD_INPUT
 
 
+LOAD_PATH_HELP = ("a checkpoint folder (checkpoints/steps_<N> or checkpoints/best), or a run directory: its checkpoints/best "
+                  "(the policy of the run's best moving training accuracy; --checkpoint latest: the newest steps_<N>)")
+
+
+def add_checkpoint_flags(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--load_path`` and ``--checkpoint``, as ``marft eval | export | play`` take them."""
+    p.add_argument("--load_path", required=required, help=LOAD_PATH_HELP)
+    p.add_argument("--checkpoint", choices=("best", "latest"), default="best",
+                   help="which checkpoint of a run directory: best (default; the latest when the run has none) or latest")
+
+
+def chosen_checkpoint(prog: str, load_path: str, which: str) -> str:
+    """The checkpoint folder ``prog`` takes from ``--load_path`` / ``--checkpoint``, said on stderr in one line."""
+    from marft.training.checkpoint import trained_checkpoint
+
+    path, line = trained_checkpoint(load_path, which)
+    print(f"{prog}: checkpoint {line}", file=sys.stderr, flush=True)
+    return str(path)
+
+
 def int_list(text: str) -> list[int]:
     """``"1,4,8"`` → ``[1, 4, 8]``."""
     try:

@@ -6,12 +6,12 @@ import argparse
 import json
 
 from marft.choices import GENERATION_BACKENDS
-from marft.cli.common import int_list, parser, run
+from marft.cli.common import add_checkpoint_flags, chosen_checkpoint, int_list, parser, run
 
 
 def build_parser():
     p = parser("marft eval", "Evaluate a trained team on held-out tasks: pass@k, success, per-role statistics, transcripts.")
-    p.add_argument("--load_path", help="a checkpoint (checkpoints/steps_<N>) or a run directory (its latest checkpoint)")
+    add_checkpoint_flags(p, required=False)
     p.add_argument("--base_model", action="store_true", help="evaluate the untrained team (fresh adapters) of the checkpoint's or the flags' config: the 'before' figure")
     p.add_argument("--env_name", help="evaluate on this environment instead of the checkpoint's")
     p.add_argument("--dataset_path", help="the held-out data: a JSON/JSONL file or a folder of <split>.jsonl files (e.g. MATH), "
@@ -52,7 +52,8 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         raise ValueError("--n, --episodes and --n_eval_threads must be at least 1")
     if args.episodes is not None and (args.n != 1 or args.k is not None):
         raise ValueError("--episodes plays that many episodes in all; --n and --k (samples per task, pass@k) go without it")
-    config, _ = checkpoint_config(args.load_path)
+    load_path = chosen_checkpoint("marft eval", args.load_path, args.checkpoint)
+    config, _ = checkpoint_config(load_path)
     if args.device:
         config.model.device = args.device
     if args.generation_backend:
@@ -63,7 +64,7 @@ def evaluate_from_args(args: argparse.Namespace) -> int:
         config.env.eval_dataset_path = args.dataset_path
     if args.n_eval_threads is not None:
         config.runner.n_eval_threads = args.n_eval_threads
-    summary = evaluate(args.load_path, config=config, n=args.n, k=args.k or [1], episodes=args.episodes, greedy=args.greedy,
+    summary = evaluate(load_path, config=config, n=args.n, k=args.k or [1], episodes=args.episodes, greedy=args.greedy,
                        output_dir=args.output_dir, seed=args.seed, base_model=args.base_model, split=args.split,
                        versus_random=args.versus_random, versus_checkpoint=args.versus_checkpoint, versus_role=args.versus_role)
     print(json.dumps(summary, indent=2), flush=True)

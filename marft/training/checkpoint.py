@@ -44,8 +44,11 @@ from marft.training.storage import describe_write_error, free_bytes, human_bytes
 logger = logging.getLogger(__name__)
 
 STEP_DIR = re.compile(r"^steps_(\d+)$")
-PARTIAL_DIR = re.compile(r"^\.steps_(\d+)\.(?:tmp|old)-(\d+)$")
+PARTIAL_DIR = re.compile(r"^\.(?:steps_\d+|best)\.(?:tmp|old)-(\d+)$")
 MANIFEST = "manifest.json"
+BEST = "best"
+"""``checkpoints/best``: the checkpoint of a run's best moving training accuracy (:mod:`marft.training.best`),
+written atomically like the others and never pruned."""
 
 
 def rng_state() -> dict:
@@ -82,13 +85,15 @@ def _jsonable(obj):
 
 
 def save_checkpoint(
-    checkpoint_root: Path, step: int, team: AgentTeam, trainer, trainer_state: dict, config_json: str, keep: int = 0
+    checkpoint_root: Path, step: int, team: AgentTeam, trainer, trainer_state: dict, config_json: str, keep: int = 0,
+    name: str | None = None,
 ) -> Path:
-    """Write ``checkpoint_root/steps_<step>`` atomically and return its path.
+    """Write ``checkpoint_root/steps_<step>`` (or ``checkpoint_root/<name>``, e.g. :data:`BEST`) atomically and
+    return its path.
 
-    Everything is written into ``.steps_<step>.tmp-<pid>``, flushed to disk, and renamed into place;
+    Everything is written into ``.<name>.tmp-<pid>``, flushed to disk, and renamed into place;
     ``manifest.json`` (size and SHA-256 of every file) is written last. With ``keep > 0`` only the
-    newest ``keep`` checkpoints are kept.
+    newest ``keep`` ``steps_<N>`` checkpoints are kept (a named one is never pruned).
 
     Raises:
         CheckpointError: a trainable weight is NaN or inf (nothing is written).
@@ -99,13 +104,14 @@ def save_checkpoint(
     bad = nonfinite_parameters(team)
     if bad:
         raise CheckpointError(
-            f"refusing to save checkpoint steps_{step}: non-finite weights in {', '.join(bad[:5])}"
+            f"refusing to save checkpoint {name or f'steps_{step}'}: non-finite weights in {', '.join(bad[:5])}"
             + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
         )
     checkpoint_root = Path(checkpoint_root)
-    final = checkpoint_root / f"steps_{step}"
-    tmp = checkpoint_root / f".steps_{step}.tmp-{os.getpid()}"
-    old = checkpoint_root / f".steps_{step}.old-{os.getpid()}"
+    name = name or f"steps_{step}"
+    final = checkpoint_root / name
+    tmp = checkpoint_root / f".{name}.tmp-{os.getpid()}"
+    old = checkpoint_root / f".{name}.old-{os.getpid()}"
     try:
         checkpoint_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -180,8 +186,11 @@ def read_trainer_state(path: str | Path) -> dict:
     return _read_json(Path(path) / "trainer_state.json")
 
 
-def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
+def load_checkpoint(path: str | Path, team: AgentTeam, trainer, rollback: bool = False) -> dict:
     """Restore adapters (trainable), value head, optimizers and RNG states; return the trainer state.
+
+    ``rollback``: only what the policy and critic are (adapters, value head, optimizer states), for a run that goes
+    back to its best checkpoint and trains on: its counters, RNG streams and KL references stay as they are.
 
     Every file is read and checked before anything is changed, and nothing is unpickled:
     tensors come from safetensors and ``torch.load(weights_only=True)``, the rest is JSON.
@@ -204,6 +213,11 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer) -> dict:
     optimizers = _read(path / "optimizers.pt", lambda f: torch.load(f, map_location=team.device, weights_only=True))
     for adapter, weights in adapters.items():
         set_adapter_weights(team, adapter, weights, path)
+    if rollback:
+        if team.has_critic:
+            _apply(path / "value_head.safetensors", lambda: load_value_head_state(team, value_head))
+        _apply(path / "optimizers.pt", lambda: trainer.load_optimizer_states(optimizers))
+        return state
     for adapter, reference in team.reference_adapters.items():
         if reference in references:
             set_peft_model_state_dict(team.model, references[reference], adapter_name=reference)
@@ -250,6 +264,32 @@ def find_checkpoint(path: str | Path) -> Path:
     raise FileNotFoundError(f"--load_path {path} holds no complete checkpoint (no checkpoints/steps_<N>/trainer_state.json)")
 
 
+def trained_checkpoint(path: str | Path, which: str = "best") -> tuple[Path, str]:
+    """The checkpoint ``marft eval | export | play`` take from ``path``, and a line saying which it is.
+
+    ``path`` may be a checkpoint folder (taken as it is), or a run directory (or its ``checkpoints/``): ``which`` is
+    ``best`` (``checkpoints/best``, the run's best moving training accuracy; its latest checkpoint when the run has
+    none) or ``latest`` (the newest ``steps_<N>``, the policy the run ended with)."""
+    path = Path(path)
+    if which not in ("best", "latest"):
+        raise ValueError(f"--checkpoint must be best or latest, got {which!r}")
+    if path.exists() and not (path / "trainer_state.json").is_file() and which == "best":
+        for root in (path / "checkpoints", path):
+            best = root / BEST
+            if (best / "trainer_state.json").is_file():
+                state = read_trainer_state(best)
+                record = state.get("best_tracker", {}).get("best", {})
+                moving = record.get("moving_accuracy")
+                figures = f", moving training accuracy {moving:.3f}" if moving is not None else ""
+                return best, f"{best} (the run's best: iteration {state.get('iteration')}{figures})"
+    found = find_checkpoint(path)
+    if found.name == BEST:
+        return found, f"{found} (the run's best: iteration {read_trainer_state(found).get('iteration')})"
+    note = "as given" if (path / "trainer_state.json").is_file() else (
+        "the latest" + ("" if which == "latest" else "; the run has no checkpoints/best"))
+    return found, f"{found} ({note})"
+
+
 def cleanup_partial_checkpoints(checkpoint_root: Path) -> list[Path]:
     """Delete temporary folders left by interrupted saves (``.steps_<N>.tmp-<pid>``, ``.old-<pid>``)
     whose process is gone; return what was removed."""
@@ -257,7 +297,7 @@ def cleanup_partial_checkpoints(checkpoint_root: Path) -> list[Path]:
     removed = []
     for p in sorted(root.iterdir()) if root.is_dir() else []:
         m = PARTIAL_DIR.match(p.name)
-        if m and not _alive(int(m.group(2))):
+        if m and not _alive(int(m.group(1))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
             logger.warning("removed the partial checkpoint %s left by an interrupted save", p)
@@ -281,7 +321,7 @@ FIXED_FIELDS = {
 """Flags that cannot change on resume: they decide which adapters exist and their shapes (roles are checked too)."""
 NOT_INHERITED = ("load_path", "output_dir")
 """Runner flags never taken from the checkpoint: where to load from and where to write to."""
-BEFORE_THE_FLAG = {"model": {"chat_template": "none"}, "algo": {"kl_coef": 0.0, "max_chunk_mib": 0, "lr_schedule": "constant"}}
+BEFORE_THE_FLAG = {"model": {"chat_template": "none"}, "algo": {"kl_coef": 0.0, "max_chunk_mib": 0, "lr_schedule": "constant", "kl_estimator": "k3"}}
 """What a flag meant in checkpoints saved before it existed, when its default now means something else (their prompts
 were plain transcripts; they trained without a KL penalty; their update chunks had no budget unless
 --max_chunk_tokens gave one; their learning rates were constant); a flag missing from a checkpoint and not listed here

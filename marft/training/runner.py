@@ -33,7 +33,9 @@ from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveF
 from marft.rollout.buffer import RolloutBuffer
 from marft.rollout.collector import RolloutCollector, RolloutNeeds
 from marft.rollout.evaluation import evaluate_episodes
+from marft.training.best import BestTracker
 from marft.training.checkpoint import (
+    BEST,
     cleanup_partial_checkpoints,
     config_changes,
     find_checkpoint,
@@ -104,6 +106,10 @@ class Runner:
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
         if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
             trainer.counters.setdefault(ORCHESTRATOR_INVALID, 0)
+        self.best = BestTracker(window=config.runner.collapse_window, drop=config.runner.collapse_drop, min_fill=config.runner.collapse_window)
+        """The moving training accuracy, the best point (``checkpoints/best``) and collapse detection; checkpointed."""
+        self.stopped_by_collapse = False
+        """``--on_collapse stop`` ended the run before its last iteration."""
 
     def _open_writer(self, purge_step: int | None = None):
         """TensorBoard on rank 0; a writer that drops everything on the other processes."""
@@ -149,9 +155,11 @@ class Runner:
         return result
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, iteration: int) -> Path:
-        """Checkpoint after ``iteration`` iterations: weights, optimizers, trainer state, RNG, env states
-        and the running episode returns (the data position). Non-finite weights stop training instead.
+    def save(self, iteration: int, name: str | None = None) -> Path:
+        """Checkpoint after ``iteration`` iterations: weights, optimizers, trainer state, RNG, env states,
+        the running episode returns (the data position) and the best tracker. Non-finite weights stop training
+        instead. ``name``: a named checkpoint (``best``) instead of ``steps_<iteration>``; it is not the one a
+        stop points to.
 
         With P processes, rank 0 writes one checkpoint holding every process's envs and running returns
         (in rank order, as one run's ``n_rollout_threads`` envs) and every process's RNG states
@@ -165,6 +173,7 @@ class Runner:
             "episode_returns": self.collector.episode_returns.tolist(),
             "envs": self.envs.state_dict(),
             "world_size": self.dist.world_size,
+            "best_tracker": self.best.state_dict(),
         }
         if self.dist.enabled:
             shares = self.dist.gather_objects({"episode_returns": state["episode_returns"], "envs": state["envs"], "rng": rng_state()})
@@ -175,7 +184,8 @@ class Runner:
         if self.dist.is_main:
             try:
                 path = save_checkpoint(
-                    self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json(), keep=self.config.runner.keep_checkpoints
+                    self.checkpoint_dir, iteration, self.team, self.trainer, state, self.config.to_json(), keep=self.config.runner.keep_checkpoints,
+                    name=name,
                 )
             except CheckpointError as failure:
                 error = failure
@@ -190,7 +200,8 @@ class Runner:
             raise SaveFailed(f"{error}. {self._save_failed_hint()}") from error
         if error is not None:
             raise TrainingStopped(f"{error}. {self._resume_hint()}") from error
-        self.last_checkpoint = path
+        if name is None:
+            self.last_checkpoint = path
         return path
 
     def _save_failed_hint(self) -> str:
@@ -230,6 +241,7 @@ class Runner:
             set_rng_state(state["rank_rng"][self.dist.rank])
         self.start_iteration = int(state["iteration"])
         self.env_steps = int(state["env_steps"])
+        self.best.load_state_dict(state.get("best_tracker", {}))
         # The schedule and the iteration count go on from the env steps collected, at this run's rollout size
         # (--n_rollout_threads or --episode_length may have changed).
         self.trainer.schedule_origin = (self.start_iteration, self.env_steps)
@@ -298,7 +310,7 @@ class Runner:
         with self.preemption:  # SIGTERM/SIGINT: finish the phase, save, raise Preempted
             return self._run()
 
-    PHASES = ("collect", "advantages", "update", "log", "checkpoint", "evaluate")
+    PHASES = ("collect", "advantages", "update", "log", "keep_best", "checkpoint", "evaluate")
     """One iteration's phases, in order (:meth:`_iteration`): the first three are timed in the logs
     (``charts/rollout_seconds``, ``charts/advantages_seconds``, ``charts/update_seconds``), and a stop signal is
     answered between phases (during the rollout, by rewinding it)."""
@@ -313,6 +325,9 @@ class Runner:
         every = max(1, (self.n_iterations - self.start_iteration) // 20)  # without a terminal (no bar): about 20 progress lines
         for iteration in bar:
             stats = self._iteration(iteration)
+            if self.stopped_by_collapse:
+                self.n_iterations = iteration + 1
+                break
             bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
             if bar.disable and (iteration + 1 - self.start_iteration) % every == 0:
                 self._print(f"iteration {iteration + 1}/{self.n_iterations}: training accuracy {stats.get('charts/accuracy', float('nan')):.3f}, "
@@ -346,6 +361,8 @@ class Runner:
         stats["charts/iteration_seconds"] = time.perf_counter() - start
         # 4. log: figures averaged (or summed) over processes, to TensorBoard on rank 0
         self._log_iteration(iteration, stats, metrics)
+        # 4b. keep_best: the moving training accuracy; a new best is saved as checkpoints/best, a collapse handled
+        self._keep_best(iteration, stats.get("charts/accuracy", float("nan")))
         # 5. checkpoint: --save_interval, --save_every_minutes, or a stop signal (which ends the run here)
         save_now, stop = self.preemption.after_iteration(iteration + 1)
         if save_now:
@@ -356,6 +373,47 @@ class Runner:
         if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < self.n_iterations:
             self._evaluate_and_log(iteration + 1)
         return stats
+
+    def _keep_best(self, iteration: int, accuracy: float) -> None:
+        """Feed the iteration's training accuracy (the mean over processes) to the best tracker: write
+        ``checkpoints/best`` at a new best, and at a collapse warn, stop or roll back (``--on_collapse``)."""
+        accuracy = self._over_processes({"accuracy": accuracy}).get("accuracy", float("nan"))
+        judgement = self.best.observe(iteration + 1, accuracy)
+        if judgement.moving_accuracy == judgement.moving_accuracy:
+            self.writer.add_scalar("charts/moving_accuracy", judgement.moving_accuracy, iteration + 1)
+        if judgement.new_best:
+            self.save(iteration + 1, name=BEST)
+            self.writer.add_scalar("charts/best_moving_accuracy", self.best.best.moving_accuracy, iteration + 1)
+        if not judgement.collapsed:
+            return
+        rc, best = self.config.runner, self.best.best
+        self.writer.add_scalar("counters/collapses", self.best.collapses, iteration + 1)
+        message = (f"collapse after iteration {iteration + 1}: the moving training accuracy ({rc.collapse_window} iterations) is "
+                   f"{judgement.moving_accuracy:.3f}, {best.moving_accuracy - judgement.moving_accuracy:.3f} below its best "
+                   f"{best.moving_accuracy:.3f} at iteration {best.iteration}, kept in {self.checkpoint_dir / BEST}")
+        if rc.on_collapse == "warn":
+            logger.warning("%s; training goes on (--on_collapse warn)", message)
+        elif rc.on_collapse == "stop":
+            logger.warning("%s; the run stops here (--on_collapse stop)", message)
+            self.stopped_by_collapse = True
+        else:
+            self._roll_back(iteration, message)
+
+    def _roll_back(self, iteration: int, message: str) -> None:
+        """``--on_collapse rollback``: the best checkpoint's adapters, critic and optimizer states come back, each
+        KL reference becomes the policy adapter as it is now (a fresh reference: the run is not pulled back to where
+        it started), and every learning rate is scaled by ``--rollback_lr_factor`` for the rest of the run. The
+        envs, RNG streams and counters go on; the rollback is counted (``counters/rollbacks``)."""
+        factor = self.config.runner.rollback_lr_factor
+        load_checkpoint(self.checkpoint_dir / BEST, self.team, self.trainer, rollback=True)
+        for adapter, reference in self.team.reference_adapters.items():
+            self.team.bank.copy_weights(adapter, reference)
+        self.trainer.lr_factor *= factor
+        self.trainer.counters["rollbacks"] = self.trainer.counters.get("rollbacks", 0) + 1
+        self.best.rolled_back()
+        self.writer.add_scalar("counters/rollbacks", self.trainer.counters["rollbacks"], iteration + 1)
+        reference = "each KL reference is now the best policy" if self.team.reference_adapters else "the KL reference stays the base model"
+        logger.warning("%s; rolled back to it (--on_collapse rollback): %s, learning rates x%.3g from here", message, reference, self.trainer.lr_factor)
 
     def _log_iteration(self, iteration: int, stats: dict[str, float], metrics: dict[str, float]) -> None:
         """The iteration's rollout figures, counters and losses to TensorBoard (every ``--log_interval``)."""
@@ -374,6 +432,7 @@ class Runner:
         result = self.evaluate()
         calls = self.diagnostics.call_distribution()  # before logging, which starts the next count
         self._log_eval(result, step)
+        self.best.observe_heldout(step, result["accuracy"])
         return result, calls
 
     def _finish(self, before: dict[str, float], calls_before: dict[str, float]) -> dict:
@@ -383,6 +442,7 @@ class Runner:
         checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
         if n_iterations > self.start_iteration and not self.dist.broadcast_object(checkpoint.exists()):  # rank 0's view
             self.save(n_iterations)
+        best = self._evaluate_best()
         self.writer.close()
         summary = {
             "accuracy_before": before["accuracy"],
@@ -393,13 +453,33 @@ class Runner:
             "env_steps": self.env_steps,
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint.exists() else None,
+            **best,
         }
         if calls_before or calls_after:  # an orchestrated team: whom the orchestrator called in the evaluations
             summary.update(orchestrator_calls_before=calls_before, orchestrator_calls_after=calls_after)
         self._print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)")
+        if best["best_checkpoint"]:
+            heldout = best["best_heldout_accuracy"]
+            self._print(f"best: iteration {best['best_iteration']} (moving training accuracy {best['best_moving_train_accuracy']:.3f}"
+                        + (f", held-out {heldout:.3f}" if heldout is not None else "") + f"), kept in {best['best_checkpoint']}"
+                        + (f"; {best['rollbacks']} rollback(s)" if best["rollbacks"] else ""))
         if self.dist.is_main:
             self._write_file(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
+
+    def _evaluate_best(self) -> dict:
+        """The best tracker's figures for the summary. The best checkpoint's held-out accuracy, when no evaluation
+        measured it yet, is measured now on the evaluation's episodes (the team keeps the best's weights after;
+        the final checkpoint is already written)."""
+        best_dir = self.checkpoint_dir / BEST
+        has_best = self.best.best.iteration > 0 and self.dist.broadcast_object(best_dir.exists())
+        if has_best and self.best.best.heldout_accuracy is None:
+            load_checkpoint(best_dir, self.team, self.trainer, rollback=True)
+            result = self.evaluate()
+            self.best.best.heldout_accuracy = result["accuracy"]
+            self.writer.add_scalar("eval/best_accuracy", result["accuracy"], self.best.best.iteration)
+        return {**self.best.summary(), "best_checkpoint": str(best_dir) if has_best else None,
+                "stopped_by_collapse": self.stopped_by_collapse}
 
     def _print(self, text: str) -> None:
         if self.dist.is_main:
