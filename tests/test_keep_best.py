@@ -123,6 +123,7 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
         seen["reference"] = {adapter: state(reference) for adapter, reference in team.reference_adapters.items()}
         seen["iteration"] = iteration + 1
         seen["lr_factor"] = self.trainer.lr_factor
+        seen["team"] = team
 
     monkeypatch.setattr(runner_module.Runner, "_roll_back", roll_back)
     run = tmp_path / "run"
@@ -140,6 +141,11 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
         for name, tensor in policy.items():
             torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
             torch.testing.assert_close(seen["reference"][adapter][name], tensor, rtol=0, atol=0)
+    final_dir = run / "checkpoints" / f"steps_{STREAM_LENGTH}"
+    for adapter in seen["policy"]:  # the best was evaluated at the end, and the team left the run with its final policy
+        saved = load_file(final_dir / adapter / "adapter_model.safetensors")
+        for name, tensor in get_peft_model_state_dict(seen["team"].model, adapter_name=adapter).items():
+            torch.testing.assert_close(tensor, saved[name], rtol=0, atol=0)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["best_iteration"] == 5 and summary["rollbacks"] == 1 and summary["collapses"] == 1
     assert summary["best_checkpoint"] == str(best) and summary["best_heldout_accuracy"] is not None

@@ -186,11 +186,12 @@ def read_trainer_state(path: str | Path) -> dict:
     return _read_json(Path(path) / "trainer_state.json")
 
 
-def load_checkpoint(path: str | Path, team: AgentTeam, trainer, rollback: bool = False) -> dict:
+def load_checkpoint(path: str | Path, team: AgentTeam, trainer, rollback: bool = False, load_optimizers: bool = True) -> dict:
     """Restore adapters (trainable), value head, optimizers and RNG states; return the trainer state.
 
     ``rollback``: only what the policy and critic are (adapters, value head, optimizer states), for a run that goes
     back to its best checkpoint and trains on: its counters, RNG streams and KL references stay as they are.
+    ``load_optimizers`` False (with ``rollback``): the weights alone, to evaluate them.
 
     Every file is read and checked before anything is changed, and nothing is unpickled:
     tensors come from safetensors and ``torch.load(weights_only=True)``, the rest is JSON.
@@ -216,7 +217,8 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer, rollback: bool =
     if rollback:
         if team.has_critic:
             _apply(path / "value_head.safetensors", lambda: load_value_head_state(team, value_head))
-        _apply(path / "optimizers.pt", lambda: trainer.load_optimizer_states(optimizers))
+        if load_optimizers:
+            _apply(path / "optimizers.pt", lambda: trainer.load_optimizer_states(optimizers))
         return state
     for adapter, reference in team.reference_adapters.items():
         if reference in references:

@@ -40,11 +40,13 @@ from marft.training.checkpoint import (
     config_changes,
     find_checkpoint,
     load_checkpoint,
+    load_value_head_state,
     read_checkpoint_meta,
     resume_incompatibilities,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    value_head_state,
 )
 from marft.training.diagnostics import TeamDiagnostics, write_transcripts
 from marft.training.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
@@ -469,17 +471,34 @@ class Runner:
 
     def _evaluate_best(self) -> dict:
         """The best tracker's figures for the summary. The best checkpoint's held-out accuracy, when no evaluation
-        measured it yet, is measured now on the evaluation's episodes (the team keeps the best's weights after;
-        the final checkpoint is already written)."""
+        measured it yet, is measured now on the evaluation's episodes; the team then gets its final weights back."""
         best_dir = self.checkpoint_dir / BEST
         has_best = self.best.best.iteration > 0 and self.dist.broadcast_object(best_dir.exists())
         if has_best and self.best.best.heldout_accuracy is None:
-            load_checkpoint(best_dir, self.team, self.trainer, rollback=True)
+            final = self._trainable_weights()
+            load_checkpoint(best_dir, self.team, self.trainer, rollback=True, load_optimizers=False)
             result = self.evaluate()
+            self._set_weights(final)  # the team leaves the run with its final policy
             self.best.best.heldout_accuracy = result["accuracy"]
             self.writer.add_scalar("eval/best_accuracy", result["accuracy"], self.best.best.iteration)
         return {**self.best.summary(), "best_checkpoint": str(best_dir) if has_best else None,
                 "stopped_by_collapse": self.stopped_by_collapse}
+
+    def _trainable_weights(self) -> dict[str, torch.Tensor]:
+        """Copies of every adapter weight and the value head (what a rollback or the best's evaluation replaces)."""
+        weights = {f"model.{name}": p.detach().clone() for name, p in self.team.model.named_parameters() if "lora_" in name}
+        if self.team.has_critic:
+            weights.update({f"value_head.{k}": v.detach().clone() for k, v in value_head_state(self.team).items()})
+        return weights
+
+    def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        params = dict(self.team.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                if name.startswith("model."):
+                    params[name[len("model."):]].copy_(tensor)
+        if self.team.has_critic:
+            load_value_head_state(self.team, {k[len("value_head."):]: v for k, v in weights.items() if k.startswith("value_head.")})
 
     def _print(self, text: str) -> None:
         if self.dist.is_main:
