@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -193,20 +193,30 @@ def check_device(device: str) -> None:
 
 
 def check_output_dir(output_dir: str | None) -> None:
-    """``--output_dir`` is (or can become) a writable folder.
+    """``--output_dir`` is (or can become) a folder this process can write in (:func:`check_writable_folder`)."""
+    if output_dir:
+        check_writable_folder("--output_dir", output_dir)
+
+
+def check_writable_folder(flag: str, folder: str | Path) -> None:
+    """``folder`` is a folder this process can write in, or one it can create: a file is created and removed in
+    it, or in its nearest existing parent. A real write, because ``os.access`` answers yes to root on a read-only
+    file system or on ``/sys``, and the run would die on its first save, after the model has loaded.
 
     Raises:
-        ValueError: it is a file, or its nearest existing parent folder is not writable (naming the path).
+        ValueError: it is a file, a parent is a file, or nothing can be written there; the message names ``flag``,
+            the path and the operating system's reason.
     """
-    if not output_dir:
-        return
-    path = Path(output_dir)
+    path = Path(folder)
     if path.exists() and not path.is_dir():
-        raise ValueError(f"--output_dir {path} exists and is not a folder")
+        raise ValueError(f"{flag} {path} exists and is not a folder")
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ValueError(f"--output_dir {path}: {existing} is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--output_dir {path}: {existing} is not writable")
+        raise ValueError(f"{flag} {path}: {existing} is not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".marft-write-check-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot write in {existing}: {error.strerror or error}") from None

@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models built from a config (never downloaded)."""
 
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -35,6 +36,23 @@ def clean_registry():
     yield
     marft.envs._REGISTRY.clear()
     marft.envs._REGISTRY.update(before)
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A folder nothing can be written in, even by root: a read-only folder for a user, ``/sys/kernel`` for root
+    (where ``os.access`` says yes and a write fails). Yields the folder; a run dir below it cannot be created."""
+    if os.geteuid() == 0:
+        folder = Path("/sys/kernel")
+        if not folder.is_dir():
+            pytest.skip("root, and no /sys/kernel to stand for an unwritable folder")
+        yield folder
+        return
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    yield folder
+    folder.chmod(0o755)
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import marft.trained.evaluate as evaluate_module
 from marft.cli.main import main as marft
 from marft.config import parse_config
 from marft.launch import main as train_main
@@ -240,6 +241,18 @@ def test_export_refuses_a_folder_that_is_not_empty(trained_run, tmp_path, capsys
     (tmp_path / "full" / "x").write_text("x")
     assert marft(["export", "--load_path", str(trained_run), "--output_dir", str(tmp_path / "full")]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["eval", "export"])
+def test_an_output_dir_nothing_can_be_written_in_fails_before_the_team_loads(trained_run, unwritable_dir, capsys, monkeypatch, command):
+    def load(*args, **kwargs):
+        pytest.fail("the team loaded before the output folder was checked")
+
+    monkeypatch.setattr(evaluate_module, "load_team", load)
+    out = unwritable_dir / "out"
+    assert marft([command, "--load_path", str(trained_run), "--output_dir", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]  # after the checkpoint's line
+    assert len(err) == 1 and err[0].startswith(f"error: --output_dir {out}: cannot write in {unwritable_dir}: "), err
 
 
 def test_play_prints_every_turn_with_its_role(trained_run, capsys, monkeypatch):

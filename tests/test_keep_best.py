@@ -150,6 +150,8 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
     assert summary["best_iteration"] == 5 and summary["rollbacks"] == 1 and summary["collapses"] == 1
     assert summary["best_checkpoint"] == str(best) and summary["best_heldout_accuracy"] is not None
     assert summary["stopped_by_collapse"] is False and summary["iterations"] == len(RISE_AND_FALL)
+    seconds = summary["seconds"]  # the best's saves and the rollback were timed, within the iterations' time
+    assert 0 < seconds["keep_best"] < seconds["iterations"]
     final = torch.load(run / "checkpoints" / f"steps_{len(RISE_AND_FALL)}" / "optimizers.pt", weights_only=True)
     assert final["lr_factor"] == 0.5 and final["counters"]["rollbacks"] == 1
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["best", f"steps_{len(RISE_AND_FALL)}"]  # never pruned

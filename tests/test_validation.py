@@ -167,6 +167,17 @@ def test_an_output_dir_that_is_a_file(random_model_dir, tmp_path, capsys, stubbe
     assert line == f"error: --output_dir {file} exists and is not a folder"
 
 
+def test_an_output_dir_nothing_can_be_written_in(random_model_dir, unwritable_dir, capsys, monkeypatch):
+    def load(*args, **kwargs):
+        pytest.fail("the model loaded before the output folder was checked")
+
+    monkeypatch.setattr(marft.launch, "build_team", load)
+    run = unwritable_dir / "run"
+    result, line = outcome(marft.launch.main, base_flags(random_model_dir, run), capsys)
+    assert line.startswith(f"error: --output_dir {run}: cannot write in {unwritable_dir}: "), line
+    assert "free" not in line  # the cause, not a disk-space hint
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_device_cuda_without_cuda_names_device_cpu():
     with pytest.raises(ValueError, match=r"--device cuda: this machine has no usable CUDA GPU .*use --device cpu"):

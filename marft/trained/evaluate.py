@@ -23,6 +23,7 @@ import torch
 
 from marft.config import TrainConfig
 from marft.training.diagnostics import TeamDiagnostics
+from marft.validation import check_writable_folder
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,10 @@ def evaluate(
     if episodes is None and any(not 1 <= kk <= n for kk in k):
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
     config, checkpoint = team_source(load_path, config)
+    if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split, sample count and sampler
+        output_dir = _checkpoint_eval_dir(checkpoint, config, base_model, split, n, episodes, versus_random, versus_checkpoint, versus_role)
+    out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
+    check_writable_folder("--output_dir", out)  # before the model loads, not after the evaluation
     team, profile, make_eval_env = load_team(config, None if base_model else checkpoint, split)
     make_eval_env, perspective = opponent(team, config, make_eval_env, versus_random, versus_checkpoint, versus_role)
     tasks = make_eval_env().unwrapped.num_tasks
@@ -151,9 +156,6 @@ def evaluate(
                                                              profile, perspective, evaluate_episodes)
         summary.update(greedy_figures)
     summary["seconds"] = round(time.perf_counter() - start, 1)
-    if output_dir is None and checkpoint is not None:  # one folder per checkpoint, team, split, sample count and sampler
-        output_dir = _checkpoint_eval_dir(checkpoint, config, base_model, split, n, episodes, versus_random, versus_checkpoint, versus_role)
-    out = Path(output_dir) if output_dir else Path("results") / "eval" / time.strftime("%Y%m%d-%H%M%S")
     _write(out, summary, transcripts, greedy_transcripts)
     summary["output_dir"] = str(out)
     return summary

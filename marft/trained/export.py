@@ -16,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
+from marft.validation import check_writable_folder
+
 TEAM_FILE = "team.json"
 
 
@@ -35,6 +37,7 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False, d
         raise FileExistsError(f"{out} is a file: export into a new folder")
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} exists and is not empty: export into a new folder")
+    check_writable_folder("--output_dir", out)
     config, checkpoint = checkpoint_config(load_path)
     if device:
         config.model.device = device

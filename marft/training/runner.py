@@ -112,6 +112,9 @@ class Runner:
         """The moving training accuracy, the best point (``checkpoints/best``) and collapse detection; checkpointed."""
         self.stopped_by_collapse = False
         """``--on_collapse stop`` ended the run before its last iteration."""
+        self.seconds = {"iterations": 0.0, "keep_best": 0.0}
+        """This process's wall seconds in its iterations (all phases) and in the keep_best phase among them (the
+        best's saves, rollbacks): what keeping the best costs, in ``summary.json`` (``seconds``)."""
 
     def _open_writer(self, purge_step: int | None = None):
         """TensorBoard on rank 0; a writer that drops everything on the other processes."""
@@ -364,7 +367,9 @@ class Runner:
         # 4. log: figures averaged (or summed) over processes, to TensorBoard on rank 0
         self._log_iteration(iteration, stats, metrics)
         # 4b. keep_best: the moving training accuracy; a new best is saved as checkpoints/best, a collapse handled
+        phase = time.perf_counter()
         self._keep_best(iteration, stats.get("charts/accuracy", float("nan")))
+        self.seconds["keep_best"] += time.perf_counter() - phase
         # 5. checkpoint: --save_interval, --save_every_minutes, or a stop signal (which ends the run here)
         save_now, stop = self.preemption.after_iteration(iteration + 1)
         if save_now:
@@ -374,6 +379,7 @@ class Runner:
         # 6. evaluate: held-out episodes every --eval_interval iterations (the last one is evaluated by _finish)
         if rc.eval_interval and (iteration + 1) % rc.eval_interval == 0 and iteration + 1 < self.n_iterations:
             self._evaluate_and_log(iteration + 1)
+        self.seconds["iterations"] += time.perf_counter() - start
         return stats
 
     def _keep_best(self, iteration: int, accuracy: float) -> None:
@@ -456,6 +462,7 @@ class Runner:
             "run_dir": str(self.run_dir),
             "checkpoint": str(checkpoint) if checkpoint.exists() else None,
             **best,
+            "seconds": {key: round(value, 3) for key, value in self.seconds.items()},
         }
         if calls_before or calls_after:  # an orchestrated team: whom the orchestrator called in the evaluations
             summary.update(orchestrator_calls_before=calls_before, orchestrator_calls_after=calls_after)
