@@ -35,7 +35,7 @@ def default_run_dir(config: TrainConfig) -> Path:
     if config.runner.output_dir:
         return Path(config.runner.output_dir)
     if config.runner.load_path:
-        from marft.training.checkpoint import find_checkpoint
+        from marft.runner.shared.checkpoint import find_checkpoint
 
         checkpoint = find_checkpoint(config.runner.load_path)
         if checkpoint.parent.name == "checkpoints":
@@ -192,7 +192,10 @@ def probe_env(make_env, profile, label: str) -> None:
     roles = [spec.role for spec in profile]
     try:
         env = make_env()
-        env.reset(seed=0)
+        first = env.reset(seed=0)
+        if not (isinstance(first, tuple) and len(first) == 2):
+            raise ValueError(f"reset returned {type(first).__name__}, not (observation, info): a CustomEnv's reset ends "
+                             "with return self.start(state)")
         if list(env.unwrapped.roles) != roles:
             raise ValueError(f"its roles are {list(env.unwrapped.roles)}, the profile's are {roles}")
         _, rewards, *_ = env.step(("",) * len(roles))
@@ -235,7 +238,7 @@ def check_work_left(config: TrainConfig) -> None:
         FileNotFoundError: ``--load_path`` holds no complete checkpoint.
         ValueError: the checkpoint already collected ``--num_env_steps`` (less than one iteration is left).
     """
-    from marft.training.checkpoint import find_checkpoint, read_trainer_state
+    from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state
 
     checkpoint = find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory's latest
     state = read_trainer_state(checkpoint)
@@ -284,7 +287,7 @@ def resolve_kl_reference(config: TrainConfig) -> str:
         return value
     if not config.runner.load_path:
         return "base"
-    from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
+    from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
 
     saved, state = read_checkpoint_meta(find_checkpoint(config.runner.load_path))
     saved_value = saved.get("algo", {}).get("kl_reference")
@@ -302,7 +305,7 @@ def build_runner(config: TrainConfig, validated=None):
     """
     from marft.distributed import init_distributed
     from marft.envs.vector import TextVectorEnv
-    from marft.training.runner import Runner
+    from marft.runner.shared.runner import Runner
 
     profile, make_train_env, make_eval_env = validated or validate(config)
     dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
@@ -331,7 +334,7 @@ def train(config: TrainConfig, validated=None) -> dict:
     run directory, last checkpoint, seconds). This is ``marft.train``, the Python API.
 
     With ``config.runner.load_path`` it resumes; unlike the command line, no value is taken from the
-    checkpoint's config (pass the config you want; :func:`marft.training.checkpoint.resume_config` merges).
+    checkpoint's config (pass the config you want; :func:`marft.runner.shared.checkpoint.resume_config` merges).
 
     Raises:
         ValueError / FileNotFoundError: a bad input (profile, model path, data, environment), before the model loads.
@@ -361,7 +364,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     config, given = parse_config(argv)
     try:
         if config.runner.load_path:
-            from marft.training.checkpoint import resume_config
+            from marft.runner.shared.checkpoint import resume_config
 
             config = resume_config(config, given)  # flags not given come from the checkpoint
         validated = validate(config)
@@ -402,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_main(argv: Optional[list[str]] = None) -> int:
     """:func:`main`, then stop signals ignored until the process exits (``python -m marft.launch``, ``marft train``)."""
-    from marft.training.preemption import ignore_stop_signals
+    from marft.runner.shared.preemption import ignore_stop_signals
 
     code = main(argv)
     ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit

@@ -68,7 +68,7 @@ def finish(flags: list[str], timeout: float) -> tuple[int, str]:
 
 
 def latest(run: Path):
-    from marft.training.checkpoint import find_checkpoint
+    from marft.runner.shared.checkpoint import find_checkpoint
 
     try:
         return find_checkpoint(run)
@@ -87,7 +87,7 @@ def wait_for_start(child: subprocess.Popen, run: Path, timeout: float) -> float:
 
 
 def trial(index: int, rng: random.Random, flags: list[str], reference: dict, duration: float, root: Path, timeout: float) -> dict:
-    from marft.training.checkpoint import read_checkpoint_meta
+    from marft.runner.shared.checkpoint import read_checkpoint_meta
 
     kind = rng.choice(["SIGTERM", "SIGKILL"])
     delay = rng.uniform(0.0, duration)

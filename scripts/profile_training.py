@@ -13,7 +13,7 @@ import sys
 from torch.profiler import ProfilerActivity, profile
 
 from marft.launch import main
-from marft.rollout.collector import RolloutCollector
+from marft.runner.shared.collector import RolloutCollector
 
 
 def profiled_main(argv: list[str]) -> int:

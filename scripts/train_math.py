@@ -6,7 +6,7 @@ Run ``python scripts/train_math.py --help`` for every flag.
 import sys
 
 from marft.launch import main
-from marft.training.preemption import ignore_stop_signals
+from marft.runner.shared.preemption import ignore_stop_signals
 
 if __name__ == "__main__":
     code = main()

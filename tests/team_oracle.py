@@ -19,7 +19,7 @@ def play_step(
 ) -> list[TurnOutput]:
     """``team`` plays one step of the sequential workflow on a batch of B conversations: every agent, in profile
     order, replies to each history, seeing the replies of the agents before it. (The runner plays any
-    workflow turn by turn with :func:`marft.rollout.turns.play_team_step`; this is the plain
+    workflow turn by turn with :func:`marft.runner.shared.turns.play_team_step`; this is the plain
     fixed-order loop the tests check it against.)
 
     Args:

@@ -6,9 +6,11 @@ The layers, lowest first (a module may import its own layer and the layers below
 * config — the run's dataclasses and flags
 * envs — environments, workflows, profiles, datasets and graders
 * agents — the team: adapters, prompts, role headers, generation, critic
-* rollout — one team step turn by turn, the rollout buffer
+* rollout — the shared runner's lower half (``marft.runner.shared``: buffer, turns, collector, evaluation): one team
+  step turn by turn, the rollout buffer
 * algorithms — advantage estimators, losses, the APPO / TPPO / GRPO trainers
-* training — the loop and its phases, checkpoints, preemption, storage, diagnostics
+* training — the shared runner's upper half (``marft.runner.shared``: runner, checkpoint, best, preemption, storage,
+  diagnostics): the loop and its phases; ``marft.runner`` and ``marft.runner.shared`` themselves import nothing
 * sft — the supervised warm start
 * models — loading a base model, building the embedded ones (a warm start on env transcripts)
 * apps — training a team (launch), and working with a trained one: evaluate, export, play
@@ -27,13 +29,15 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "marft"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("leaf", ("marft.choices", "marft.faults", "marft.prompting", "marft.validation", "marft.distributed", "marft.types")),
+    ("leaf", ("marft.choices", "marft.faults", "marft.prompting", "marft.validation", "marft.distributed", "marft.types",
+              "marft.moved")),
     ("config", ("marft.config",)),
     ("envs", ("marft.envs",)),
     ("agents", ("marft.agents",)),
-    ("rollout", ("marft.rollout",)),
+    ("rollout", ("marft.runner.shared.buffer", "marft.runner.shared.turns", "marft.runner.shared.collector",
+                 "marft.runner.shared.evaluation", "marft.rollout")),
     ("algorithms", ("marft.algorithms",)),
-    ("training", ("marft.training",)),
+    ("training", ("marft.runner", "marft.training")),
     ("sft", ("marft.sft",)),
     ("models", ("marft.models",)),
     ("apps", ("marft.launch", "marft.trained")),
@@ -127,15 +131,41 @@ def test_no_import_circles(graph):
 
 def test_the_checker_sees_upward_imports_and_circles(tmp_path):
     """The walk finds a function-level import, a relative import and a circle (so the tests above can fail)."""
-    (tmp_path / "a.py").write_text("def f():\n    from marft.training import runner\n")
+    (tmp_path / "a.py").write_text("def f():\n    from marft.runner.shared import runner\n")
     (tmp_path / "b.py").write_text("from . import a\n")
-    known = {"marft.envs.a": tmp_path / "a.py", "marft.envs.b": tmp_path / "b.py", "marft.training.runner": tmp_path / "r.py",
+    known = {"marft.envs.a": tmp_path / "a.py", "marft.envs.b": tmp_path / "b.py", "marft.runner.shared.runner": tmp_path / "r.py",
              "marft.envs": tmp_path / "__init__.py"}
-    assert imported_modules("marft.envs.a", known["marft.envs.a"], known) == {"marft.training.runner"}
-    assert layer_of("marft.training.runner") > layer_of("marft.envs.a")
+    assert imported_modules("marft.envs.a", known["marft.envs.a"], known) == {"marft.runner.shared.runner"}
+    assert layer_of("marft.runner.shared.runner") > layer_of("marft.envs.a")
     assert imported_modules("marft.envs.b", known["marft.envs.b"], known) == {"marft.envs", "marft.envs.a"}
     assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+SPECIFICATION_LAYOUT = ("marft/envs", "marft/runner/shared", "marft/algorithms", "scripts", "tests", "requirements.txt",
+                        "setup.py", "README.md")
+"""The top level the specification names (the original MARFT's layout)."""
+
+
+def test_the_layout_is_the_specifications():
+    root = PACKAGE.parent
+    missing = [path for path in SPECIFICATION_LAYOUT if not (root / path).exists()]
+    assert not missing, f"the specification's layout lacks {missing}"
+    assert (PACKAGE / "runner" / "shared" / "runner.py").is_file() and (PACKAGE / "runner" / "shared" / "collector.py").is_file()
+
+
+def test_moved_modules_import_from_their_old_paths_with_a_warning():
+    """Each old path is the moved module itself (one release), and says where it went."""
+    from marft.moved import MOVED
+
+    for old, new in MOVED.items():
+        code = (f"import warnings, importlib, sys; warnings.simplefilter('error', DeprecationWarning); import {new}\n"
+                f"try:\n    importlib.import_module('{old}')\nexcept DeprecationWarning as w:\n    print(w)\n"
+                f"warnings.simplefilter('ignore'); sys.modules.pop('{old}', None)\n"
+                f"assert importlib.import_module('{old}') is sys.modules['{new}']")
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == f"{old} moved to {new}; the old path goes in the next release"
 
 
 def test_importing_the_config_loads_no_torch():

@@ -25,7 +25,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from marft.algorithms import TRAINERS
 from marft.faults import CheckpointError
 from marft.launch import main
-from marft.training.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from marft.runner.shared.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 E = 2  # n_rollout_threads; one team step per iteration, so num_env_steps = E * iterations
@@ -170,7 +170,7 @@ def test_a_checkpoint_from_before_chat_templates_resumes_with_plain_prompts(trai
     """A checkpoint whose config has no ``chat_template`` was trained on plain transcripts: it resumes with
     ``none`` (an instruct model would otherwise switch to its chat template mid-run), unless the flag is given."""
     from marft.config import parse_config
-    from marft.training.checkpoint import MANIFEST, _write_manifest, resume_config
+    from marft.runner.shared.checkpoint import MANIFEST, _write_manifest, resume_config
 
     checkpoint = copy_run(trained_run, tmp_path) / "checkpoints" / f"steps_{N}"
     assert resume_config(*parse_config(["--load_path", str(checkpoint)])).model.chat_template == "auto"  # saved with the flag
@@ -189,7 +189,7 @@ def test_a_checkpoint_from_before_a_flag_resumes_as_it_ran(trained_run, tmp_path
     ``--max_chunk_tokens`` gave one), one without ``lr_schedule`` at constant learning rates: it resumes so, unless
     the flag is given; a new one keeps the default."""
     from marft.config import parse_config
-    from marft.training.checkpoint import MANIFEST, _write_manifest, resume_config
+    from marft.runner.shared.checkpoint import MANIFEST, _write_manifest, resume_config
 
     checkpoint = copy_run(trained_run, tmp_path) / "checkpoints" / f"steps_{N}"
     assert getattr(resume_config(*parse_config(["--load_path", str(checkpoint)])).algo, field) == saved_value  # saved with the flag
@@ -256,7 +256,7 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    import marft.training.checkpoint as checkpoint
+    import marft.runner.shared.checkpoint as checkpoint
     from marft.launch import main
 
     marker, argv = Path(sys.argv[1]), sys.argv[2:]

@@ -26,7 +26,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import marft.envs
 from marft.launch import main
-from marft.training.checkpoint import find_checkpoint, read_checkpoint_meta
+from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "dist_worker.py"

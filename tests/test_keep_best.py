@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from test_checkpoint import weights
 from test_preemption import flags, signal_at
 
-import marft.rollout.collector as collector_module
+import marft.runner.shared.collector as collector_module
 from marft.faults import ExitCode
 from marft.launch import main
-from marft.training.best import BestTracker
-from marft.training.checkpoint import find_checkpoint, read_trainer_state, trained_checkpoint
+from marft.runner.shared.best import BestTracker
+from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state, trained_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,7 +109,7 @@ def run_flags(model_dir, run, *extra, iterations=STREAM_LENGTH):
 
 
 def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_the_rates(random_model_dir, tmp_path, monkeypatch, caplog):
-    import marft.training.runner as runner_module
+    import marft.runner.shared.runner as runner_module
 
     scripted_accuracy(monkeypatch, RECOVERED)
     seen = {}
@@ -127,7 +127,7 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
 
     monkeypatch.setattr(runner_module.Runner, "_roll_back", roll_back)
     run = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="marft.training.runner"):
+    with caplog.at_level(logging.WARNING, logger="marft.runner.shared.runner"):
         assert main(run_flags(random_model_dir, run, "--keep_checkpoints", "1")) == 0
     best = run / "checkpoints" / "best"
     state = read_trainer_state(best)
@@ -160,7 +160,7 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
 
 def test_warn_goes_on_and_stop_ends_the_run_with_a_checkpoint(random_model_dir, tmp_path, monkeypatch, caplog):
     scripted_accuracy(monkeypatch, RISE_AND_FALL)
-    with caplog.at_level(logging.WARNING, logger="marft.training.runner"):
+    with caplog.at_level(logging.WARNING, logger="marft.runner.shared.runner"):
         assert main(run_flags(random_model_dir, tmp_path / "warn", "--on_collapse", "warn")) == 0
     warned = [r.message for r in caplog.records if "collapse after" in r.message]
     assert len(warned) == 1 and str(tmp_path / "warn" / "checkpoints" / "best") in warned[0] and "training goes on" in warned[0]

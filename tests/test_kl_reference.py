@@ -132,11 +132,11 @@ def test_resuming_without_a_saved_reference_says_what_the_reference_is(random_mo
     assert not any(p.name.startswith("ref_") for p in saved.iterdir())
     cfg = config(random_model_dir, tmp_path / "resumed", kl_coef=0.5, kl_reference="initial")
     cfg.runner.load_path = str(saved)
-    with caplog.at_level("WARNING", logger="marft.training.checkpoint"):
+    with caplog.at_level("WARNING", logger="marft.runner.shared.checkpoint"):
         build_runner(cfg).restore(saved)
     assert "has no KL reference" in caplog.text and "iteration 1" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="marft.training.checkpoint"):
+    with caplog.at_level("WARNING", logger="marft.runner.shared.checkpoint"):
         one_update(random_model_dir, tmp_path / "warm_again", path, kl_reference="initial")
     assert "has no KL reference" not in caplog.text
 
@@ -158,7 +158,7 @@ def test_a_warm_start_leaves_the_kl_weight_to_the_algorithm_of_the_run_after_it(
     """scripts/sft.py saves --kl_coef as given (none: None); RL from it with GRPO, the flags not given coming from
     the warm start's config as the command line merges them, gets GRPO's default, not MARFT-A's."""
     from marft.cli.sft import main as sft_main
-    from marft.training.checkpoint import resume_config
+    from marft.runner.shared.checkpoint import resume_config
 
     common = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
               "--context_window", "128", "--n_rollout_threads", "2"]

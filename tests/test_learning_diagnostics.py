@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from marft.algorithms.losses import clipped_policy_loss
-from marft.rollout.buffer import RolloutBuffer
-from marft.training.diagnostics import TeamDiagnostics
+from marft.runner.shared.buffer import RolloutBuffer
+from marft.runner.shared.diagnostics import TeamDiagnostics
 
 
 def plain_surrogate(new_logp, old_logp, advantages, low, high):

@@ -27,16 +27,16 @@ import pytest
 import torch
 from test_checkpoint import weights
 
-import marft.rollout.collector as collector_module
-import marft.rollout.evaluation as evaluation_module
-import marft.training.checkpoint as checkpoint_module
-import marft.training.runner as runner_module
+import marft.runner.shared.checkpoint as checkpoint_module
+import marft.runner.shared.collector as collector_module
+import marft.runner.shared.evaluation as evaluation_module
+import marft.runner.shared.runner as runner_module
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.distributed import SINGLE
 from marft.faults import ExitCode
 from marft.launch import main
-from marft.training.checkpoint import find_checkpoint
-from marft.training.preemption import Preemption
+from marft.runner.shared.checkpoint import find_checkpoint
+from marft.runner.shared.preemption import Preemption
 
 ROOT = Path(__file__).resolve().parents[1]
 E, T = 2, 2  # envs, team steps per iteration
@@ -183,7 +183,7 @@ def test_periodic_saves_by_time_change_nothing_but_the_saves(random_model_dir, r
 def test_the_save_clock(monkeypatch):
     """--save_every_minutes counts from the last save (or the start); --save_interval by iterations; both at once."""
     now = {"t": 0.0}
-    monkeypatch.setattr("marft.training.preemption.time.monotonic", lambda: now["t"])
+    monkeypatch.setattr("marft.runner.shared.preemption.time.monotonic", lambda: now["t"])
     preemption = Preemption(save_interval=3, save_every_minutes=10, dist=SINGLE)
     with preemption:
         decisions = []
@@ -197,7 +197,7 @@ def test_the_save_clock(monkeypatch):
 
 def test_the_save_clock_by_time_alone(monkeypatch):
     now = {"t": 0.0}
-    monkeypatch.setattr("marft.training.preemption.time.monotonic", lambda: now["t"])
+    monkeypatch.setattr("marft.runner.shared.preemption.time.monotonic", lambda: now["t"])
     preemption = Preemption(save_interval=0, save_every_minutes=10, dist=SINGLE)
     with preemption:
         saves = []
@@ -212,7 +212,7 @@ def test_keep_checkpoints_by_default_keeps_two_and_never_the_only_one(random_mod
     run = tmp_path / "run"
     assert main(flags(random_model_dir, run, "--save_interval", "1", iterations=3)) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name != "best") == ["steps_2", "steps_3"]
-    from marft.training.checkpoint import prune_checkpoints
+    from marft.runner.shared.checkpoint import prune_checkpoints
 
     assert prune_checkpoints(run / "checkpoints", 1) == [run / "checkpoints" / "steps_2"]
     assert prune_checkpoints(run / "checkpoints", 1) == []  # the only complete checkpoint stays
@@ -223,7 +223,7 @@ def test_keep_checkpoints_by_default_keeps_two_and_never_the_only_one(random_mod
 CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
-    import marft.rollout.collector as collector_module
+    import marft.runner.shared.collector as collector_module
     from marft.launch import main
 
     mode, argv = sys.argv[1], sys.argv[2:]
@@ -397,7 +397,7 @@ def test_a_full_disk_under_the_transcripts(random_model_dir, tmp_path, monkeypat
 
 
 def test_low_free_space_warns_before_training(random_model_dir, tmp_path, monkeypatch, caplog):
-    from marft.training import storage
+    from marft.runner.shared import storage
 
     monkeypatch.setattr(storage, "free_bytes", lambda path: 10_000)
     with caplog.at_level(logging.WARNING):

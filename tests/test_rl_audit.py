@@ -195,7 +195,7 @@ def test_runner_bootstraps_a_truncated_episode_from_its_final_observation(random
     from marft.config import EnvConfig, RunnerConfig
     from marft.envs.cooperative import RelaySumEnv
     from marft.envs.vector import TextVectorEnv
-    from marft.training.runner import Runner
+    from marft.runner.shared.runner import Runner
 
     torch.manual_seed(0)
     team = make_team(random_model_dir, context_window=256)
@@ -239,7 +239,7 @@ ABBREVIATED = [("--num_env", "num_env_steps", "64"), ("--lr", "lr", "0.003"), ("
 @pytest.mark.parametrize("style", ["abbreviated", "equals", "abbreviated_equals"])
 def test_flags_given_abbreviated_or_with_equals_survive_a_resume(random_model_dir, tmp_path, style):
     from marft.launch import main
-    from marft.training.checkpoint import resume_config
+    from marft.runner.shared.checkpoint import resume_config
 
     run = tmp_path / "run"
     base = ["--model_name_or_path", random_model_dir, "--env_name", "relay_sum", "--max_new_tokens", "4", "--context_window", "128",

@@ -12,7 +12,7 @@ from marft.algorithms import trainer_class
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import load_profile
 from marft.models.loading import load_base_model
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

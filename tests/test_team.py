@@ -15,7 +15,7 @@ from marft.algorithms.tppo_trainer import TPPOTrainer
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import AgentSpec, load_profile
 from marft.models.loading import load_base_model
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 
 HISTORIES = [
     "Problem: What is 3 + 4?\n",

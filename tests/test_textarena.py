@@ -719,7 +719,7 @@ def test_a_prompt_cut_to_the_context_window_keeps_the_rules_and_the_latest_board
     # a rollout's turn hands the team the env's heads with its texts (the team encodes them as above)
     from types import SimpleNamespace
 
-    from marft.rollout.turns import play_team_step
+    from marft.runner.shared.turns import play_team_step
 
     asked = []
 

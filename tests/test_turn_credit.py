@@ -23,7 +23,7 @@ from legacy_advantages import (
 from marft.algorithms import trainer_class
 from marft.algorithms.advantages import agent_chain_gae, group_relative_advantages, token_chain_gae
 from marft.config import AlgoConfig, TrainConfig
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 
 MODES = ["env", "equal", "step_discount", "per_step"]
 

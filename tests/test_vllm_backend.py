@@ -13,7 +13,7 @@ import torch
 
 from marft.agents.vllm_backend import HeadPadding, engine_lora_rank, head_padding, write_served_model
 from marft.algorithms.losses import clipped_policy_loss, rollout_correction_weights
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 from marft.types import EngineGap, TurnOutput
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -189,7 +189,7 @@ def test_the_turn_core_gives_the_fixed_order_rollout_and_advantages(random_model
     """RolloutCollector.collect (turn by turn) against the old fixed-order loop (``play_step`` of tests/team_oracle.py per step, every agent's
     reply at once to ``env.step``), same seed: same transcripts, ids, log-probs, values and advantages."""
     from marft.launch import build_runner
-    from marft.rollout.buffer import RolloutBuffer
+    from marft.runner.shared.buffer import RolloutBuffer
 
     runner = build_runner(run_config(random_model_dir, tmp_path, algorithm_name=algorithm))
     torch.manual_seed(11)

@@ -286,7 +286,7 @@ class AgentTeam(nn.Module):
         heads: Sequence[str] | None = None,
     ) -> TurnOutput:
         """Agent ``agent`` replies to every history in the batch: prompts encoded, replies sampled and scored
-        (no critic values: :func:`marft.rollout.turns.play_team_step` adds them)."""
+        (no critic values: :func:`marft.runner.shared.turns.play_team_step` adds them)."""
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private, heads)
         adapter = self.agent_adapters[agent]
         replies = self.sample(adapter, prompt_ids, prompt_mask, agent)

@@ -360,7 +360,7 @@ def agent_step_credits(
 
 
 def fill_action_advantages(buffer, gamma: float, gae_lambda: float, rewards: torch.Tensor | None = None) -> None:
-    """A rollout buffer's (:class:`~marft.rollout.buffer.RolloutBuffer`) action-level advantages and returns:
+    """A rollout buffer's (:class:`~marft.runner.shared.buffer.RolloutBuffer`) action-level advantages and returns:
     GAE along each env's turns on ``rewards`` (T, E, S) (default: the turns' own, ``buffer.rewards``)."""
     buffer.advantages, buffer.returns = agent_chain_gae(
         buffer.rewards if rewards is None else rewards, buffer.values, buffer.terminated, gamma, gae_lambda,

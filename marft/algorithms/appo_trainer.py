@@ -20,7 +20,7 @@ from marft.algorithms.losses import clipped_value_loss
 from marft.algorithms.ppo import PPOTrainer, _nanmean
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 from marft.types import TurnBatch
 
 

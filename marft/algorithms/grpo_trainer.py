@@ -1,7 +1,7 @@
 """Critic-free, group-relative team training (``--algorithm_name GRPO``), as MAGRPO and AT-GRPO train LLM teams.
 
 The runner plays groups: ``--group_size`` G environments reset on the same task play one whole episode
-each (:meth:`~marft.rollout.collector.RolloutCollector.collect`). Every turn of an episode gets the episode's
+each (:meth:`~marft.runner.shared.collector.RolloutCollector.collect`). Every turn of an episode gets the episode's
 team return minus its group's mean, divided by the group's standard deviation
 (:func:`~marft.algorithms.advantages.group_relative_advantages`; ``--grpo_scale_rewards false``: centred
 only). A group whose returns are all equal teaches nothing; its advantages are 0 and it is counted
@@ -24,7 +24,7 @@ import torch
 from marft.algorithms.advantages import buffer_credits, fill_group_advantages
 from marft.algorithms.losses import clipped_policy_loss
 from marft.algorithms.ppo import PPOTrainer
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 from marft.types import TurnBatch
 
 

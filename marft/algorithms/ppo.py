@@ -23,7 +23,7 @@ from marft.algorithms.losses import clipped_policy_loss, normalize_logprobs, rol
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
 from marft.faults import TrainingStopped
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 from marft.types import TurnBatch
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import torch
 from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_token_advantages
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss
-from marft.rollout.buffer import RolloutBuffer
+from marft.runner.shared.buffer import RolloutBuffer
 from marft.types import TurnBatch
 
 

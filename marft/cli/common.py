@@ -41,7 +41,7 @@ def add_checkpoint_flags(p: argparse.ArgumentParser, required: bool = True) -> N
 
 def chosen_checkpoint(prog: str, load_path: str, which: str) -> str:
     """The checkpoint folder ``prog`` takes from ``--load_path`` / ``--checkpoint``, said on stderr in one line."""
-    from marft.training.checkpoint import trained_checkpoint
+    from marft.runner.shared.checkpoint import trained_checkpoint
 
     path, line = trained_checkpoint(load_path, which)
     print(f"{prog}: checkpoint {line}", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ import time
 from marft.config import SECTIONS, TrainConfig, parse_sections
 from marft.faults import CheckpointError, CheckpointWriteError, ExitCode
 from marft.launch import build_team, default_run_dir, validate
+from marft.runner.shared.checkpoint import save_checkpoint
 from marft.sft import (
     SFTConfig,
     demonstrations,
@@ -23,7 +24,6 @@ from marft.sft import (
     unlearned_reply_tokens,
     warm_start,
 )
-from marft.training.checkpoint import save_checkpoint
 
 
 def main(argv: list[str] | None = None) -> int:

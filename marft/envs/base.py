@@ -1,4 +1,9 @@
-"""The base class of marft environments: a team of text agents taking turns on one task.
+"""The base classes of marft environments: a team of text agents taking turns on one task.
+
+* :class:`CustomEnv` — the class the specification names: subclass it and write ``__init__``, ``reset``,
+  ``transition`` (and ``step`` only to add to it), for an env with state of its own (a multi-turn game, a tool).
+* :class:`MultiAgentTextEnv` — a :class:`CustomEnv` with ``reset`` and ``transition`` written: subclass it and write
+  two hooks instead, for "draw a task, grade the replies".
 
 One *team step* takes one reply from every agent (in profile order, or as the env's workflow says: a graph,
 an orchestrator, see :mod:`marft.envs.workflows`). The observation is the shared history as text (see ``marft.prompting``)::
@@ -117,8 +122,24 @@ class EpisodeState:
         return self.terminated or self.truncated
 
 
-class MultiAgentTextEnv(gym.Env):
-    """A gymnasium env whose action is a tuple of ``n_agents`` replies and whose observation is text.
+class CustomEnv(gym.Env):
+    """The env users subclass, as the specification says: ``__init__``, ``reset``, ``step`` and ``transition``.
+
+    Its action is a tuple of ``n_agents`` replies and its observation the shared history as text. Write:
+
+    * ``__init__(...)``: call ``super().__init__(roles, horizon)`` first.
+    * ``reset(*, seed=None, options=None)``: call ``super().reset(seed=seed)`` (it seeds ``self.np_random``), draw
+      the episode's start with ``self.np_random`` and ``return self.start(state)``. ``state`` is an
+      :class:`EpisodeState`, or a frozen dataclass subclass of it holding the env's own fields.
+    * ``transition(state, actions, turns=None)``: pure (``state`` is immutable; draw nothing random): the next
+      state. Judge ``actions`` (one reply per agent), then ``return self.advance(state, actions, outcome, turns,
+      **your_fields)``: it writes the turns into the history, counts the step and ends the episode when the outcome
+      solved it or the horizon is used up.
+    * ``step(actions)`` is written: it applies ``transition`` to the current state (after a workflow's turns) and
+      returns gymnasium's five values. Override it only to add to it, through ``super().step(actions)``.
+
+    ``private_observations``, ``kept_heads`` and ``num_tasks`` are optional, as in :class:`MultiAgentTextEnv`,
+    and ``state_dict`` checkpoints the episode exactly when its fields are JSON-safe.
 
     Args:
         roles: the agents' role names, in speaking order.
@@ -155,16 +176,6 @@ class MultiAgentTextEnv(gym.Env):
     """How many tasks the env holds (a subclass with a task list sets it, e.g. as a property); None: tasks
     are generated without a list, and the ``task_index`` option is not supported."""
 
-    # ---- hooks for subclasses
-
-    def sample_task(self, options: dict | None) -> dict:
-        """Pick a task with ``self.np_random`` (or as ``options`` says).
-
-        Returns:
-            dict: ``{"problem": str, "answer": str}``; other keys go into the reset ``info``.
-        """
-        raise NotImplementedError
-
     def choose_task(self, options: dict | None) -> int:
         """The index of the task to play: ``options["task_index"]`` when given, else one drawn with ``self.np_random``.
 
@@ -180,51 +191,6 @@ class MultiAgentTextEnv(gym.Env):
                 raise IndexError(f"{TASK_INDEX} {index} out of range for {n} tasks")
             return index
         return int(self.np_random.integers(n))
-
-    def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
-        """Judge the team's replies ``actions`` to ``state`` (must not modify ``state``).
-
-        Returns:
-            StepOutcome: per-agent rewards, whether the task is solved, the judge feedback.
-        """
-        raise NotImplementedError
-
-    # ---- pure state functions
-
-    def initial_state(self, task: dict) -> EpisodeState:
-        """The state at the start of an episode on ``task``."""
-        problem = str(task["problem"])
-        return EpisodeState(problem=problem, answer=str(task["answer"]), history=format_problem(problem))
-
-    def transition(self, state: EpisodeState, actions: Sequence[str], turns: Sequence[tuple[str, str]] | None = None) -> EpisodeState:
-        """The state after the team replies ``actions`` in ``state``.
-
-        Pure: ``state`` is immutable, and nothing random is drawn. ``turns``: the step's ``(role, text)`` turns as
-        they were taken (a workflow's order, host lines included) to append to the history; None: every agent's
-        reply in profile order.
-
-        Returns:
-            EpisodeState: history extended by every agent's turn (and judge feedback when the
-            episode goes on), ``step + 1``, the terminated/truncated flags and the outcome.
-        """
-        actions = self._check_actions(actions)
-        try:
-            outcome = self.evaluate(state, actions)
-        except Exception as error:  # noqa: BLE001 - a broken reward function must not end training
-            info = {"correct": False, "reward_error": f"{type(error).__name__}: {error}"}
-            outcome = StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info=info)
-        if len(outcome.rewards) != self.n_agents:
-            raise ValueError(f"evaluate returned {len(outcome.rewards)} rewards for {self.n_agents} agents")
-        spoken = zip(self.roles, actions) if turns is None else turns
-        history = state.history + "".join(format_turn(role, text) for role, text in spoken)
-        step = state.step + 1
-        # The horizon is part of the task (the team gets ``horizon`` attempts), so running out of
-        # attempts terminates the episode; ``truncated`` is left for outside time limits.
-        terminated = bool(outcome.solved) or step >= self.horizon
-        truncated = False
-        if not (terminated or truncated) and outcome.feedback:
-            history += format_turn(JUDGE_ROLE, outcome.feedback)
-        return replace(state, history=history, step=step, terminated=terminated, truncated=truncated, outcome=outcome)
 
     def private_observations(self) -> list[str]:
         """What each agent alone sees in the current state, one text per agent ("" = nothing).
@@ -242,22 +208,44 @@ class MultiAgentTextEnv(gym.Env):
         observation of an episode cut short by ``truncated`` cuts it plainly: the env has moved on by then.)"""
         return [""] * self.n_agents
 
-    # ---- gymnasium API
+    # ---- the episode
 
-    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
-        """Start an episode.
+    def advance(self, state: EpisodeState, actions: Sequence[str], outcome: StepOutcome,
+                turns: Sequence[tuple[str, str]] | None = None, **changes) -> EpisodeState:
+        """The state after a team step that ``outcome`` judged: ``state`` with every agent's turn appended to the
+        history (``turns``, as a workflow took them, host lines included; None: ``actions`` in profile order), the
+        judge's feedback when the episode goes on, ``step + 1``, terminated when the outcome solved the task or the
+        last of ``horizon`` steps was taken, the outcome, and ``changes`` (an env's own fields). Pure.
 
-        Returns:
-            obs (str): the history so far, i.e. the problem line.
-            info (dict): ``step`` (0), ``answer``, the task's extra keys and ``private_observations``
-                (one text per agent, see :meth:`private_observations`).
+        Raises:
+            ValueError: the outcome has not one reward per agent.
         """
-        super().reset(seed=seed)
-        task = self.sample_task(options)
-        self.episode = self.initial_state(task)
+        if len(outcome.rewards) != self.n_agents:
+            raise ValueError(f"the outcome has {len(outcome.rewards)} rewards for {self.n_agents} agents")
+        spoken = zip(self.roles, actions) if turns is None else turns
+        history = state.history + "".join(format_turn(role, text) for role, text in spoken)
+        step = state.step + 1
+        # The horizon is part of the task (the team gets ``horizon`` attempts), so running out of
+        # attempts terminates the episode; ``truncated`` is left for outside time limits.
+        terminated = bool(outcome.solved) or step >= self.horizon
+        truncated = False
+        if not (terminated or truncated) and outcome.feedback:
+            history += format_turn(JUDGE_ROLE, outcome.feedback)
+        return replace(state, history=history, step=step, terminated=terminated, truncated=truncated, outcome=outcome,
+                       **changes)
+
+    def start(self, state: EpisodeState, info: dict | None = None) -> tuple[str, dict]:
+        """Begin an episode at ``state`` (``reset``'s last line): a fresh team step. Returns ``reset``'s values:
+        the history, and ``info`` with ``step`` 0 and ``private_observations`` added."""
+        self.episode = state
         self.turns = self.workflow.start()
-        extras = {k: v for k, v in task.items() if k != "problem"}
-        return self.episode.history, {"step": 0, **extras, PRIVATE_KEY: tuple(self.private_observations())}
+        return self.episode.history, {"step": 0, **(info or {}), PRIVATE_KEY: tuple(self.private_observations())}
+
+    def transition(self, state: EpisodeState, actions: Sequence[str], turns: Sequence[tuple[str, str]] | None = None) -> EpisodeState:
+        """The state after the team replies ``actions`` in ``state`` (pure; see the class). Write it."""
+        raise NotImplementedError(f"{type(self).__name__} must write transition(state, actions, turns=None)")
+
+    # ---- gymnasium API
 
     def step(self, actions: Sequence[str]) -> tuple[str, np.ndarray, bool, bool, dict]:
         """Take one team step: every agent's reply, in profile order.
@@ -278,7 +266,7 @@ class MultiAgentTextEnv(gym.Env):
             if tuple(actions) != self.turn_actions():
                 raise ValueError("step(actions) after take_turn(): pass turn_actions(), the replies the turns recorded")
             turns = self.workflow.spoken(self.turns)
-        self.episode = self.transition(self.episode, actions, turns)
+        self.episode = self.transition(self.episode, self._check_actions(actions), turns)
         self.turns = self.workflow.start()
         outcome = self.episode.outcome
         if "reward_error" in outcome.info:
@@ -372,6 +360,76 @@ class MultiAgentTextEnv(gym.Env):
         return tuple(actions)
 
 
+
+class MultiAgentTextEnv(CustomEnv):
+    """A :class:`CustomEnv` whose ``reset`` draws a task (``sample_task``) and whose ``transition`` grades the
+    team's replies (``evaluate``): write those two hooks.
+
+    Args:
+        roles: the agents' role names, in speaking order.
+        horizon: team steps (attempts) per episode; the episode terminates after the last one.
+    """
+
+    # ---- hooks for subclasses
+
+    def sample_task(self, options: dict | None) -> dict:
+        """Pick a task with ``self.np_random`` (or as ``options`` says).
+
+        Returns:
+            dict: ``{"problem": str, "answer": str}``; other keys go into the reset ``info``.
+        """
+        raise NotImplementedError
+
+    def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
+        """Judge the team's replies ``actions`` to ``state`` (must not modify ``state``).
+
+        Returns:
+            StepOutcome: per-agent rewards, whether the task is solved, the judge feedback.
+        """
+        raise NotImplementedError
+
+    # ---- pure state functions
+
+    def initial_state(self, task: dict) -> EpisodeState:
+        """The state at the start of an episode on ``task``."""
+        problem = str(task["problem"])
+        return EpisodeState(problem=problem, answer=str(task["answer"]), history=format_problem(problem))
+
+    def transition(self, state: EpisodeState, actions: Sequence[str], turns: Sequence[tuple[str, str]] | None = None) -> EpisodeState:
+        """The state after the team replies ``actions`` in ``state``.
+
+        Pure: ``state`` is immutable, and nothing random is drawn. ``turns``: the step's ``(role, text)`` turns as
+        they were taken (a workflow's order, host lines included) to append to the history; None: every agent's
+        reply in profile order.
+
+        Returns:
+            EpisodeState: history extended by every agent's turn (and judge feedback when the
+            episode goes on), ``step + 1``, the terminated/truncated flags and the outcome.
+        """
+        actions = self._check_actions(actions)
+        try:
+            outcome = self.evaluate(state, actions)
+        except Exception as error:  # noqa: BLE001 - a broken reward function must not end training
+            info = {"correct": False, "reward_error": f"{type(error).__name__}: {error}"}
+            outcome = StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info=info)
+        if len(outcome.rewards) != self.n_agents:
+            raise ValueError(f"evaluate returned {len(outcome.rewards)} rewards for {self.n_agents} agents")
+        return self.advance(state, actions, outcome, turns)
+
+    # ---- gymnasium API
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[str, dict]:
+        """Start an episode.
+
+        Returns:
+            obs (str): the history so far, i.e. the problem line.
+            info (dict): ``step`` (0), ``answer``, the task's extra keys and ``private_observations``
+                (one text per agent, see :meth:`private_observations`).
+        """
+        super().reset(seed=seed)
+        task = self.sample_task(options)
+        return self.start(self.initial_state(task), {k: v for k, v in task.items() if k != "problem"})
+
 def _episode_to_dict(episode: EpisodeState) -> dict:
     data = {f.name: getattr(episode, f.name) for f in dataclasses.fields(episode)}
     if episode.outcome is not None:
@@ -382,12 +440,17 @@ def _episode_to_dict(episode: EpisodeState) -> dict:
 
 
 def _episode_from_dict(cls: type, data: dict) -> EpisodeState:
-    data = {k: v for k, v in data.items() if k != "type"}
+    data = {k: _as_tuples(v) for k, v in data.items() if k not in ("type", "outcome")} | {"outcome": data.get("outcome")}
     if data.get("outcome") is not None:
         outcome = dict(data["outcome"])
         outcome["rewards"] = tuple(outcome["rewards"])
         data["outcome"] = StepOutcome(**outcome)
     return cls(**data)
+
+
+def _as_tuples(value):
+    """JSON's lists back as the tuples an immutable state held (nested too)."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list) else value
 
 
 def _json_value(value):

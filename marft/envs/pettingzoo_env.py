@@ -31,7 +31,7 @@ import numpy as np
 from gymnasium import spaces
 
 from marft.envs import make
-from marft.envs.base import WIDE_CHARSET, MultiAgentTextEnv
+from marft.envs.base import WIDE_CHARSET, CustomEnv
 from marft.envs.workflows import workflow_for
 from marft.prompting import format_conversation, format_private
 
@@ -81,12 +81,12 @@ class TextSpace(spaces.Text):
         pass
 
 
-def _as_env(env: MultiAgentTextEnv | str, workflow: str | None, default_workflow: str, kwargs: dict) -> MultiAgentTextEnv:
+def _as_env(env: CustomEnv | str, workflow: str | None, default_workflow: str, kwargs: dict) -> CustomEnv:
     """The env (built from its name with ``kwargs``), playing ``workflow`` (:func:`workflow_for` of its profile).
 
     An env built from a name plays ``workflow or default_workflow``; an instance keeps the workflow it has unless
     ``workflow`` is given. Envs without a ``profile`` attribute (a list of ``AgentSpec``) keep their own."""
-    if isinstance(env, MultiAgentTextEnv):
+    if isinstance(env, CustomEnv):
         if kwargs:
             raise ValueError("keyword arguments build an env from its name; pass either an env instance or a name")
     else:
@@ -96,7 +96,7 @@ def _as_env(env: MultiAgentTextEnv | str, workflow: str | None, default_workflow
     return env
 
 
-def agent_view(env: MultiAgentTextEnv, agent: int, private: tuple[str, ...]) -> np.str_:
+def agent_view(env: CustomEnv, agent: int, private: tuple[str, ...]) -> np.str_:
     """What ``agent`` sees now: its private observation, the shared history and this step's turns visible to it."""
     return np.str_(format_private(private[agent]) + format_conversation(env.episode.history, env.visible_turns(agent)))
 
@@ -104,7 +104,7 @@ def agent_view(env: MultiAgentTextEnv, agent: int, private: tuple[str, ...]) -> 
 class _RoleAgents:
     """What the AEC and the parallel env share: agents named by the env's roles, a text space per agent."""
 
-    def _init_agents(self, env: MultiAgentTextEnv, max_reply_chars: int | None) -> None:
+    def _init_agents(self, env: CustomEnv, max_reply_chars: int | None) -> None:
         if len(set(env.roles)) != len(env.roles):
             raise ValueError(f"PettingZoo names agents by role: the roles {list(env.roles)} must be distinct")
         self.possible_agents = list(env.roles)
@@ -140,7 +140,7 @@ def _aec_class():
         """A marft environment as a PettingZoo AEC environment (see the module's docstring).
 
         Args:
-            env: a :class:`MultiAgentTextEnv` or a name / import path for :func:`marft.envs.make`.
+            env: a :class:`CustomEnv` or a name / import path for :func:`marft.envs.make`.
             workflow: ``auto``, ``sequential``, ``graph`` or ``orchestrated`` (as ``--workflow``); default: ``auto``
                 for an env built from its name, the workflow an env instance has.
             max_reply_chars: the declared length bound of an action (default: the env's ``max_action_length``).
@@ -149,7 +149,7 @@ def _aec_class():
 
         metadata = {"name": "marft_text_v0", "render_modes": [], "is_parallelizable": False}
 
-        def __init__(self, env: MultiAgentTextEnv | str, workflow: str | None = None, max_reply_chars: int | None = None,
+        def __init__(self, env: CustomEnv | str, workflow: str | None = None, max_reply_chars: int | None = None,
                      **kwargs):
             super().__init__()
             self.env = _as_env(env, workflow, "auto", kwargs)
@@ -218,7 +218,7 @@ def _parallel_class():
 
         metadata = {"name": "marft_text_parallel_v0", "render_modes": []}
 
-        def __init__(self, env: MultiAgentTextEnv | str, workflow: str | None = None, max_reply_chars: int | None = None,
+        def __init__(self, env: CustomEnv | str, workflow: str | None = None, max_reply_chars: int | None = None,
                      **kwargs):
             self.env = _as_env(env, workflow, "graph", kwargs)
             self.env.reset(seed=0)
@@ -259,12 +259,12 @@ def _parallel_class():
     return TextParallelEnv
 
 
-def aec_env(env: MultiAgentTextEnv | str, workflow: str | None = None, max_reply_chars: int | None = None, **kwargs):
+def aec_env(env: CustomEnv | str, workflow: str | None = None, max_reply_chars: int | None = None, **kwargs):
     """A marft environment (an instance, or a name / import path with ``kwargs`` for :func:`marft.envs.make`) as a
     PettingZoo AEC environment. Raises ``ImportError`` with the install line when PettingZoo is missing."""
     return _aec_class()(env, workflow=workflow, max_reply_chars=max_reply_chars, **kwargs)
 
 
-def parallel_env(env: MultiAgentTextEnv | str, workflow: str | None = None, max_reply_chars: int | None = None, **kwargs):
+def parallel_env(env: CustomEnv | str, workflow: str | None = None, max_reply_chars: int | None = None, **kwargs):
     """A marft environment whose agents all act at once as a PettingZoo parallel environment (see :func:`aec_env`)."""
     return _parallel_class()(env, workflow=workflow, max_reply_chars=max_reply_chars, **kwargs)

@@ -1,1 +1,2 @@
-"""Rollouts: the team plays its envs turn by turn (:mod:`.turns`) into a preallocated buffer (:mod:`.buffer`)."""
+"""Moved to :mod:`marft.runner.shared` (buffer, collector, evaluation, turns); the old module paths still import,
+with a ``DeprecationWarning``, until the next release."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from marft.config import TrainConfig
-from marft.training.diagnostics import TeamDiagnostics
+from marft.runner.shared.diagnostics import TeamDiagnostics
 from marft.validation import check_writable_folder
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
     """The run config a checkpoint was trained with (fields it predates keep their defaults), and its
     ``steps_<N>`` folder (a run directory means its latest checkpoint)."""
-    from marft.training.checkpoint import BEFORE_THE_FLAG, find_checkpoint, read_checkpoint_meta
+    from marft.runner.shared.checkpoint import BEFORE_THE_FLAG, find_checkpoint, read_checkpoint_meta
 
     path = find_checkpoint(load_path)
     saved, _ = read_checkpoint_meta(path)
@@ -82,7 +82,7 @@ def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test")
     from marft.envs.profile import load_profile
     from marft.launch import build_env_factories, build_team, check_generation_backend, probe_env
     from marft.models.loading import check_model_path
-    from marft.training.checkpoint import load_checkpoint
+    from marft.runner.shared.checkpoint import load_checkpoint
     from marft.validation import check_device
 
     config.check()
@@ -127,7 +127,7 @@ def evaluate(
         ValueError: ``k`` larger than ``n``, an env without held-out tasks for pass@k, a bad config.
         FileNotFoundError: no such checkpoint.
     """
-    from marft.rollout.evaluation import evaluate_episodes
+    from marft.runner.shared.evaluation import evaluate_episodes
 
     if episodes is None and any(not 1 <= kk <= n for kk in k):
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
@@ -301,7 +301,7 @@ def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, r
         ValueError: not a self-play game, no or an unknown ``role``, or a checkpoint of another team.
         FileNotFoundError: no such checkpoint.
         CheckpointError: its adapter for ``role`` is missing, unreadable or of another shape."""
-    from marft.training.checkpoint import read_adapter, set_adapter_weights
+    from marft.runner.shared.checkpoint import read_adapter, set_adapter_weights
 
     if not hasattr(make_env().unwrapped, "play_randomly"):
         raise ValueError("--versus_checkpoint is for self-play games (textarena:<id> with a two-agent profile)")

@@ -29,8 +29,8 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False, d
         FileExistsError: ``output_dir`` exists and is not empty. FileNotFoundError / CheckpointError: a bad checkpoint.
     """
     from marft.models.loading import resolve_model_path
+    from marft.runner.shared.checkpoint import read_checkpoint_meta
     from marft.trained.evaluate import checkpoint_config, load_team
-    from marft.training.checkpoint import read_checkpoint_meta
 
     out = Path(output_dir)
     if out.exists() and not out.is_dir():

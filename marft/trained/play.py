@@ -24,7 +24,7 @@ def play(problem: str, load_path: str | Path | None = None, config: TrainConfig 
     """
     from marft.envs.one_problem import OneProblemEnv
     from marft.envs.workflows import workflow_for
-    from marft.rollout.turns import play_team_step
+    from marft.runner.shared.turns import play_team_step
     from marft.trained.evaluate import load_team, team_source
 
     config, checkpoint = team_source(load_path, config)

@@ -1,1 +1,2 @@
-"""The training loop (:mod:`.runner`: one iteration's named phases), checkpoints, preemption, storage and logs."""
+"""Moved to :mod:`marft.runner.shared` (runner, checkpoint, best, preemption, storage, diagnostics); the old module
+paths still import, with a ``DeprecationWarning``, until the next release."""

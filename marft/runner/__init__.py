@@ -1,0 +1,1 @@
+"""Runners: :mod:`marft.runner.shared`, the one runner every env trains with."""

@@ -1,0 +1,74 @@
+"""One team step on a batch of environments, turn by turn (the runner's rollout and evaluation share it).
+
+At each moment every environment says who speaks now (``env.speakers()``: one agent, or a graph layer);
+the environments are grouped by that agent and each agent generates ONE batch for all the environments
+where it speaks, seeing what its environment's step shows it (``env.visible_turns(agent)``). The replies
+are recorded (``env.take_turn``) once the moment's batches are all sampled, so agents of one graph layer
+speak in parallel on the same history. The step ends when no environment has a speaker left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from marft.agents.team import AgentTeam
+from marft.types import TurnOutput
+
+
+@dataclass
+class PlayedBatch:
+    """One agent's generation batch at one moment of a team step."""
+
+    agent: int
+    """The agent that spoke."""
+    rows: list[int]
+    """The environments (positions in the list given to :func:`play_team_step`) of the batch's rows, in order."""
+    out: TurnOutput
+    """The batch's prompts, replies, log-probs (and values)."""
+    moment: int = 0
+    """The moment of the team step it was generated at (0, 1, ...): an env's turns of one moment are a parallel layer."""
+
+
+def play_team_step(
+    team: AgentTeam,
+    envs: Sequence,
+    histories: Sequence[str],
+    private: Sequence[Sequence[str]],
+    with_values: bool = False,
+    token_values: bool = False,
+) -> list[PlayedBatch]:
+    """Play one team step on every env in ``envs`` (unwrapped ``MultiAgentTextEnv``s, each at the start of a step),
+    leaving each ready for ``step(env.turn_actions())``.
+
+    Args:
+        histories: ``(B,)`` each env's current observation.
+        private: ``(B, N)`` what each agent alone sees in each env.
+        with_values: value every turn with the critic (training rollouts of trainers with a critic).
+        token_values: the critic also values every reply token (token-level trainers).
+
+    Returns the batches in the order they were generated.
+    """
+    played: list[PlayedBatch] = []
+    n_moments = 0
+    while True:
+        due: dict[int, list[int]] = {}
+        for row, env in enumerate(envs):
+            for agent in env.speakers():
+                due.setdefault(agent, []).append(row)
+        if not due:
+            break
+        moment = []
+        for agent in sorted(due):  # every agent's prompts are built before anyone's reply is recorded
+            rows = due[agent]
+            out = team.act(agent, [histories[r] for r in rows], [envs[r].visible_turns(agent) for r in rows], [private[r][agent] for r in rows],
+                           [envs[r].kept_heads()[agent] for r in rows])
+            moment.append(PlayedBatch(agent, rows, out, moment=n_moments))
+        for batch in moment:
+            for row, text in zip(batch.rows, batch.out.texts):
+                envs[row].take_turn(batch.agent, text)
+        played += moment
+        n_moments += 1
+    if with_values and team.has_critic and played:
+        team.critic.value_batches([(batch.agent, batch.out) for batch in played], token_values)
+    return played
