@@ -53,7 +53,7 @@ GAME_VIEWS = {
     "board": "the game's rules and its latest board and any messages after it (as TextArena's GameBoardObservationWrapper): "
              "one position is one prompt however it was reached; for games whose board TextArena marks as such",
 }
-"""``--game_view`` → what a TextArena game shows an agent (``marft.envs.textarena_env.TextArenaEnv``'s ``view``)."""
+"""``--game_view`` → what a TextArena game shows an agent (``marft.envs.textarena.env.TextArenaEnv``'s ``view``)."""
 
 CREDIT_MODES = {
     "env": "the environment's per-agent rewards go into the agent chain as they are (the original MARFT): agent n's "

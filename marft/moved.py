@@ -12,6 +12,9 @@ MOVED: dict[str, str] = {
     **{f"marft.rollout.{name}": f"marft.runner.shared.{name}" for name in ("buffer", "collector", "evaluation", "turns")},
     **{f"marft.training.{name}": f"marft.runner.shared.{name}"
        for name in ("best", "checkpoint", "diagnostics", "preemption", "runner", "storage")},
+    "marft.envs.cooperative": "marft.envs.relay_sum.env",
+    "marft.envs.textarena_env": "marft.envs.textarena.env",
+    "marft.envs.pettingzoo_env": "marft.envs.pettingzoo.env",
 }
 """Old module path -> where it lives now (issue 75: the layout the specification names)."""
 

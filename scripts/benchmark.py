@@ -276,7 +276,7 @@ def route_calls(runner, args) -> dict:
     """``right_calls_before`` / ``right_calls_after``: on ``route``, the share of held-out episodes whose first
     orchestrator reply calls the keeper of the asked shelf (0.5 is routing at random), read from the first and the
     last evaluation's transcripts (``transcripts/eval_<iteration>.jsonl``)."""
-    from marft.envs.route import RouteEnv, asked_shelf
+    from marft.envs.route.env import RouteEnv, asked_shelf
     from marft.envs.workflows import workflow_for
 
     keepers = RouteEnv(profile=runner.team.profile).keepers  # keepers[k]: the agent who keeps shelf k

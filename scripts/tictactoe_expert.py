@@ -154,7 +154,7 @@ def board_in_prompt(problem: str) -> tuple[Board, int]:
 def demonstrations(n: int, seed: int = 0, view: str = "since_move") -> list[dict]:
     """``n`` one-move rows of the best player against ``textarena:TicTacToe-v0``'s random opponent (training split,
     both seats), each prompted as training prompts that move (with ``--game_view view``)."""
-    from marft.envs.textarena_env import TextArenaEnv
+    from marft.envs.textarena.env import TextArenaEnv
 
     env, rng = TextArenaEnv("TicTacToe-v0", view=view), np.random.default_rng(seed)
     env.reset(seed=seed)

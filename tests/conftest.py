@@ -70,7 +70,7 @@ def _register_dense_relay_sum():
     that need policy updates on a random model use this env."""
     import marft.envs
     from marft.envs import StepOutcome
-    from marft.envs.cooperative import RelaySumEnv
+    from marft.envs.relay_sum.env import RelaySumEnv
 
     class DenseRelaySum(RelaySumEnv):
         def evaluate(self, state, actions):
@@ -88,7 +88,7 @@ def _register_dense_route():
     (a random model never answers right, and equal rewards would train only the critic)."""
     import marft.envs
     from marft.envs import StepOutcome
-    from marft.envs.route import RouteEnv
+    from marft.envs.route.env import RouteEnv
 
     class DenseRoute(RouteEnv):
         def evaluate(self, state, actions):

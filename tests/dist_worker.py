@@ -21,7 +21,7 @@ import torch
 
 import marft.envs
 from marft.envs import StepOutcome
-from marft.envs.cooperative import RelaySumEnv
+from marft.envs.relay_sum.env import RelaySumEnv
 
 
 class DenseRelaySum(RelaySumEnv):

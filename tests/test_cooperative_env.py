@@ -9,7 +9,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from marft import envs
-from marft.envs.cooperative import RelaySumEnv, relay_tasks
+from marft.envs.relay_sum.env import RelaySumEnv, relay_tasks
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*reward returned by `step\\(\\)` must be a float.*")

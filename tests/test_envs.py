@@ -12,10 +12,10 @@ from gymnasium.utils.env_checker import check_env
 
 from marft import envs
 from marft.envs.base import EpisodeState
-from marft.envs.cooperative import RelaySumEnv
 from marft.envs.math import MathEnv, load_problems
 from marft.envs.math.data import load_problem_set
 from marft.envs.profile import load_profile
+from marft.envs.relay_sum.env import RelaySumEnv
 from marft.envs.vector import TextVectorEnv
 from marft.prompting import JUDGE_ROLE, format_problem, format_turn
 

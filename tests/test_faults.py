@@ -15,7 +15,7 @@ from marft.agents.team import AgentTeam
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs import make
-from marft.envs.cooperative import RelaySumEnv
+from marft.envs.relay_sum.env import RelaySumEnv
 from marft.envs.vector import TextVectorEnv
 from marft.faults import TrainingStopped
 from marft.launch import main, train

@@ -132,7 +132,7 @@ def test_grpo_refuses_envs_without_tasks_and_bad_group_sizes(random_model_dir, t
     config.env.env_name = "math"
     validate(config)  # the math env has a task list
     import marft.envs
-    from marft.envs.cooperative import RelaySumEnv
+    from marft.envs.relay_sum.env import RelaySumEnv
 
     class Endless(RelaySumEnv):
         num_tasks = None

@@ -14,7 +14,7 @@ pytest.importorskip("pettingzoo", reason="pettingzoo is not installed (pip insta
 from pettingzoo.test import api_test, parallel_api_test  # noqa: E402
 
 from marft.envs import load_profile, make  # noqa: E402
-from marft.envs.pettingzoo_env import PETTINGZOO_MISSING, TextSpace, aec_env, parallel_env  # noqa: E402
+from marft.envs.pettingzoo.env import PETTINGZOO_MISSING, TextSpace, aec_env, parallel_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +120,7 @@ def test_the_text_space_dtype_matches_texts_of_any_length():
 
 
 def test_without_pettingzoo_the_error_says_how_to_install_it(monkeypatch):
-    import marft.envs.pettingzoo_env as module
+    import marft.envs.pettingzoo.env as module
 
     module._aec_class.cache_clear()
     monkeypatch.setitem(sys.modules, "pettingzoo", None)

@@ -193,7 +193,7 @@ def test_runner_bootstraps_a_truncated_episode_from_its_final_observation(random
 
     from marft.algorithms import make_trainer
     from marft.config import EnvConfig, RunnerConfig
-    from marft.envs.cooperative import RelaySumEnv
+    from marft.envs.relay_sum.env import RelaySumEnv
     from marft.envs.vector import TextVectorEnv
     from marft.runner.shared.runner import Runner
 

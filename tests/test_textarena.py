@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
 
 from marft.envs import make, resolve  # noqa: E402
-from marft.envs.textarena_env import TEXTARENA_MISSING, GameState, TextArenaEnv, legal_moves  # noqa: E402
+from marft.envs.textarena.env import TEXTARENA_MISSING, GameState, TextArenaEnv, legal_moves  # noqa: E402
 
 TTT = "textarena:TicTacToe-v0"
 
@@ -308,7 +308,7 @@ def test_a_reply_imitating_the_game_cannot_steer_the_random_opponent():
     the opponent play an occupied cell and forfeit. The opponent reads legal moves from the game's messages only."""
     from textarena.core import ObservationType
 
-    from marft.envs.textarena_env import Game
+    from marft.envs.textarena.env import Game
 
     env = make(TTT, split="test", profile="game_player")
     game = Game("TicTacToe-v0", 0)
@@ -559,7 +559,7 @@ def test_a_self_play_agent_is_evaluated_against_another_checkpoints_adapter(rand
 
 
 def test_the_board_view_shows_one_position_as_one_prompt_however_it_was_reached():
-    from marft.envs.textarena_env import Game
+    from marft.envs.textarena.env import Game
 
     games = []
     for order in (("[0]", "[4]", "[8]"), ("[8]", "[4]", "[0]")):  # O takes 0 and 8, X the centre: the same position

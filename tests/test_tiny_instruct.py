@@ -12,7 +12,7 @@ from marft.agents.prompts import PromptEncoder
 from marft.envs.code.generated import generate_tasks
 from marft.envs.code.problem import last_python_block
 from marft.envs.profile import load_profile
-from marft.envs.route import asked_shelf
+from marft.envs.route.env import asked_shelf
 from marft.envs.workflows import OrchestratedWorkflow
 from marft.models.loading import embedded_recipe
 from marft.models.tiny import TinyRecipe, ensure_tiny_model

@@ -89,9 +89,9 @@ def test_warm_start_prompts_are_the_teams_prompts(random_model_dir):
 
     from marft.agents.team import AgentTeam
     from marft.config import ModelConfig
-    from marft.envs.cooperative import keeper_observation, relay_problem, relay_tasks
     from marft.envs.math.arithmetic import generate_arithmetic
     from marft.envs.profile import load_profile
+    from marft.envs.relay_sum.env import keeper_observation, relay_problem, relay_tasks
     from marft.models.loading import load_base_model
     from marft.models.tiny import _relay_pairs, warm_start_prompts, warm_start_transcripts
     from marft.prompting import format_problem

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import marft.envs
 from marft.envs import StepOutcome
-from marft.envs.cooperative import RelaySumEnv
+from marft.envs.relay_sum.env import RelaySumEnv
 from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]

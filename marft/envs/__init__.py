@@ -70,7 +70,7 @@ def resolve(name: str) -> Callable[..., CustomEnv]:
         entry = _REGISTRY[name]
         return _import(entry, name) if isinstance(entry, str) else entry
     if name.startswith("textarena:"):  # a TextArena game: textarena:TicTacToe-v0
-        from marft.envs.textarena_env import TextArenaEnv
+        from marft.envs.textarena.env import TextArenaEnv
 
         return functools.partial(TextArenaEnv, name.split(":", 1)[1])
     if ":" in name:
@@ -127,9 +127,9 @@ def make(name: str, **kwargs) -> CustomEnv:
 
 
 register("math", "marft.envs.math.env:MathEnv")
-register("relay_sum", "marft.envs.cooperative:RelaySumEnv")
+register("relay_sum", "marft.envs.relay_sum.env:RelaySumEnv")
 register("code", "marft.envs.code.env:CodeEnv")
-register("route", "marft.envs.route:RouteEnv")
+register("route", "marft.envs.route.env:RouteEnv")
 
 GYM_IDS = {"math": "marft/Math-v0", "relay_sum": "marft/RelaySum-v0", "code": "marft/Code-v0", "route": "marft/Route-v0"}
 """gymnasium ids of the registered environments."""

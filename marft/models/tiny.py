@@ -184,8 +184,8 @@ def _qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
 
 def _corpus_texts(seed: int = 0) -> list[str]:
     """Profile prompts, arithmetic transcripts and judge feedback: what the tokenizer should know."""
-    from marft.envs.cooperative import keeper_observation, relay_problem
     from marft.envs.math.arithmetic import generate_arithmetic
+    from marft.envs.relay_sum.env import keeper_observation, relay_problem
     from marft.prompting import format_private, format_problem, format_turn
 
     profile_files = sorted(PROFILES_DIR / f"{name}.json" for name in CORPUS_PROFILES)
@@ -280,8 +280,8 @@ def warm_start_transcripts(recipe: TinyRecipe, rng) -> list[dict]:
     alone leaves ~18% sampled / 25% greedy on test, too little for RL to sharpen.) Then every ``relay_sum``
     pair, the key private to the Reasoner as in RelaySumEnv.
     """
-    from marft.envs.cooperative import keeper_observation, relay_problem
     from marft.envs.math.arithmetic import generate_arithmetic
+    from marft.envs.relay_sum.env import keeper_observation, relay_problem
 
     def transcript(problem: str, reasoning: str, final: str, private: dict | None = None) -> dict:
         turns = [{"role": "Reasoner", "text": reasoning}, {"role": "Actor", "text": final}]

@@ -102,7 +102,7 @@ def code_transcripts(recipe: InstructRecipe, rng) -> list[dict]:
 
 def route_transcripts(recipe: InstructRecipe, rng) -> list[dict]:
     """``route_episodes`` orchestrated ``route`` demonstrations (boxes of both splits), drawn with ``rng``."""
-    from marft.envs.route import RouteEnv
+    from marft.envs.route.env import RouteEnv
 
     env = RouteEnv("train")
     env.tasks = env.tasks + RouteEnv("test").tasks
