@@ -71,10 +71,10 @@ of the real model where its weights cannot be fetched (no model hub here)."""
 
 GRPO_LEARNING_GROUPS = 8
 """Groups (tasks) per round in ``learning`` with GRPO: fewer tasks per update (4 groups of 4) learn far less
-steadily over seeds (docs/benchmarks.md)."""
+steadily over seeds (docs/results/benchmarks.md)."""
 RELAY_LEARNING_ENVS = 32
 """Envs per iteration in ``learning`` on ``relay_sum`` with MARFT-A or MARFT-T: 16 (the other benches' default) puts
-half the episodes into each update and leaves some seeds short of the optimum (docs/benchmarks.md)."""
+half the episodes into each update and leaves some seeds short of the optimum (docs/results/benchmarks.md)."""
 
 PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solver_reflector_verifier"}
 """The shipped profile used for each ``--n_agents``."""

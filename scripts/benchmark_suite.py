@@ -3,7 +3,7 @@
 
     python scripts/benchmark_suite.py learning            # -> benchmarks/results/learning.json
     python scripts/benchmark_suite.py speed --rows "iteration, APPO"
-    python scripts/render_benchmarks.py                   # -> docs/benchmarks.md
+    python scripts/render_benchmarks.py                   # -> docs/results/benchmarks.md
 
 Every row's command runs as written, from the repository root, one at a time (timings on a small machine are only
 comparable with nothing else running). A row's figures come from its command's last line of JSON

@@ -54,8 +54,8 @@ def test_the_configuration_reference_lists_every_flag_of_marft_train(capsys):
 
 
 def test_the_benchmarks_page_and_readme_table_are_generated_from_the_recorded_results():
-    assert (ROOT / "docs" / "benchmarks.md").read_text() == render_benchmarks.render(), (
-        "docs/benchmarks.md is out of date: python scripts/render_benchmarks.py")
+    assert (ROOT / "docs" / "results" / "benchmarks.md").read_text() == render_benchmarks.render(), (
+        "docs/results/benchmarks.md is out of date: python scripts/render_benchmarks.py")
     assert (ROOT / "README.md").read_text() == render_benchmarks.render_readme(), (
         "README.md's results table is out of date: python scripts/render_benchmarks.py")
 
@@ -94,7 +94,7 @@ def test_a_row_without_seconds_shows_a_dash_not_an_error():
 
 def test_every_readme_figure_has_its_command_on_the_benchmarks_page():
     table = render_benchmarks.readme_table()
-    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    page = (ROOT / "docs" / "results" / "benchmarks.md").read_text()
     rows = [line for line in table.splitlines()[2:] if line.startswith("| ")]
     assert rows, "the README's results table is empty: run the benchmark suites (benchmarks/suites.yaml)"
     for row in rows:

@@ -8,7 +8,7 @@ intermediate size times the experts each token visits), or one ``hidden`` vector
 under ``--gradient_checkpointing`` (only the layers' inputs are kept). Every value is counted as float32 whatever
 the model's dtype: a bf16 model's LoRA layers (peft keeps adapters in float32) and norms keep float32 copies of
 their inputs, so a bf16 count would be 1.5-1.7x low. It is an estimate, not a measurement (the memory table of
-``docs/benchmarks.md`` has what it bounds); the attention probabilities of an eager (non-fused) attention and the
+``docs/results/benchmarks.md`` has what it bounds); the attention probabilities of an eager (non-fused) attention and the
 vocabulary's logits (bounded on their own, ``--max_logits_mib``) are not counted.
 
 The default memory, 1024 MiB on CPU and a quarter of the GPU's memory on CUDA, is fixed per device kind, so a
