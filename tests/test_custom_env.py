@@ -155,3 +155,36 @@ def test_a_custom_env_that_breaks_the_contract_stops_before_the_model_loads(tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: --env_name broken_custom (train)") and message in err[-1], err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_guides_demonstrations_replay_as_the_env_judges_them(guess_module):
+    """Each demonstration is a played episode: its judge lines are what the env says to those replies, and it ends
+    when the guess is right or the horizon is used up."""
+    from my_envs.guess import GuessDigitEnv
+
+    env = GuessDigitEnv(horizon=3)
+    env.reset(seed=2)
+    episodes = env.demonstrations(20)
+    assert len(episodes) == 20
+    for episode in episodes:
+        steps = list(_steps(episode["turns"]))
+        assert 1 <= len(steps) <= 3
+        assert all(t["text"][0] == "{" and t["text"][-1] == "}" for replies, _ in steps for t in replies)
+        for index, (_, judge) in enumerate(steps):
+            last = index == len(steps) - 1
+            assert (judge is None) == last  # a judge line after every step but the last
+            if judge is not None:
+                assert judge.startswith("Not ") and judge.endswith(("higher.", "lower."))
+
+
+def _steps(turns):
+    """A demonstration's turns as (the step's replies, the judge line after it or None)."""
+    replies = []
+    for turn in turns:
+        if turn["role"] == "Judge":
+            yield replies, turn["text"]
+            replies = []
+        else:
+            replies.append(turn)
+    if replies:
+        yield replies, None
