@@ -60,8 +60,9 @@ def _import(entry_point: str, name: str) -> Callable[..., CustomEnv]:
 
 
 def resolve(name: str) -> Callable[..., CustomEnv]:
-    """The class (or factory) ``name`` stands for: a registered name, an import path ``"module:Attr"``, or an
-    installed package's ``marft.envs`` entry point.
+    """The class (or factory) ``name`` stands for: a registered name, a TextArena game (``textarena:<id>``), an
+    import path ``"module:Attr"``, a folder ``marft/envs/<name>/`` (:func:`_folder_env`), or an installed package's
+    ``marft.envs`` entry point.
 
     Raises:
         ValueError: none of those; the message lists the registered names and how to add one.

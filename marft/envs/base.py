@@ -221,7 +221,8 @@ class CustomEnv(gym.Env):
             ValueError: the outcome has not one reward per agent.
         """
         if len(outcome.rewards) != self.n_agents:
-            raise ValueError(f"the outcome has {len(outcome.rewards)} rewards for {self.n_agents} agents")
+            raise ValueError(f"{type(self).__name__} returned {len(outcome.rewards)} rewards for {self.n_agents} agents "
+                             "(evaluate's or transition's outcome needs one per agent)")
         spoken = zip(self.roles, actions) if turns is None else turns
         history = state.history + "".join(format_turn(role, text) for role, text in spoken)
         step = state.step + 1
@@ -360,7 +361,6 @@ class CustomEnv(gym.Env):
         return tuple(actions)
 
 
-
 class MultiAgentTextEnv(CustomEnv):
     """A :class:`CustomEnv` whose ``reset`` draws a task (``sample_task``) and whose ``transition`` grades the
     team's replies (``evaluate``): write those two hooks.
@@ -412,8 +412,6 @@ class MultiAgentTextEnv(CustomEnv):
         except Exception as error:  # noqa: BLE001 - a broken reward function must not end training
             info = {"correct": False, "reward_error": f"{type(error).__name__}: {error}"}
             outcome = StepOutcome(rewards=(0.0,) * self.n_agents, solved=False, info=info)
-        if len(outcome.rewards) != self.n_agents:
-            raise ValueError(f"evaluate returned {len(outcome.rewards)} rewards for {self.n_agents} agents")
         return self.advance(state, actions, outcome, turns)
 
     # ---- gymnasium API
@@ -429,6 +427,7 @@ class MultiAgentTextEnv(CustomEnv):
         super().reset(seed=seed)
         task = self.sample_task(options)
         return self.start(self.initial_state(task), {k: v for k, v in task.items() if k != "problem"})
+
 
 def _episode_to_dict(episode: EpisodeState) -> dict:
     data = {f.name: getattr(episode, f.name) for f in dataclasses.fields(episode)}
