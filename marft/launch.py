@@ -18,8 +18,21 @@ from typing import Optional
 import numpy as np
 import torch
 
+from marft.agents.team import AgentTeam
+from marft.agents.vllm_backend import check_vllm
+from marft.algorithms import make_trainer, trainer_class
 from marft.config import TrainConfig, parse_config
-from marft.faults import ExitCode
+from marft.distributed import Distributed, init_distributed, shutdown_distributed, world_size_from_env
+from marft.envs import resolve
+from marft.envs.profile import load_profile
+from marft.envs.vector import TextVectorEnv
+from marft.envs.workflows import workflow_for
+from marft.faults import CheckpointError, ExitCode, Preempted, SaveFailed, TrainingStopped
+from marft.models.loading import check_model_path, load_base_model
+from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta, read_trainer_state, resume_config
+from marft.runner.shared.preemption import ignore_stop_signals
+from marft.runner.shared.runner import Runner
+from marft.validation import check_device, check_output_dir
 
 logger = logging.getLogger("marft")
 
@@ -35,7 +48,6 @@ def default_run_dir(config: TrainConfig) -> Path:
     if config.runner.output_dir:
         return Path(config.runner.output_dir)
     if config.runner.load_path:
-        from marft.runner.shared.checkpoint import find_checkpoint
 
         checkpoint = find_checkpoint(config.runner.load_path)
         if checkpoint.parent.name == "checkpoints":
@@ -59,8 +71,6 @@ def build_env_factories(config: TrainConfig, profile, eval_split: str = "test"):
     ``--dataset_path`` (or, for evaluation, ``--eval_dataset_path``) is given; ``--env_name`` may be a registered
     name, ``"package.module:Class"`` or an installed entry point (:func:`marft.envs.resolve`). ``eval_split`` names the
     held-out split (e.g. ``test500``: a dataset folder's ``test500.jsonl``)."""
-    from marft.envs import resolve
-    from marft.envs.workflows import workflow_for
 
     ec = config.env
     kwargs = dict(profile=profile, horizon=ec.horizon)
@@ -92,10 +102,6 @@ def validate(config: TrainConfig):
     """Check flags across sections, device, output folder, profile, model path, data and resume path; return
     ``(profile, make_train_env, make_eval_env)``. (Each flag alone was checked when the config was built:
     :mod:`marft.validation`.)"""
-    from marft.algorithms import trainer_class
-    from marft.envs.profile import load_profile
-    from marft.models.loading import check_model_path
-    from marft.validation import check_device, check_output_dir
 
     config.check()
     check_device(config.model.device)
@@ -123,7 +129,6 @@ def validate(config: TrainConfig):
 def check_generation_backend(config: TrainConfig) -> None:
     """``--generation_backend vllm`` needs vLLM importable and a LoRA rank vLLM serves: said before anything loads."""
     if config.model.generation_backend == "vllm":
-        from marft.agents.vllm_backend import check_vllm
 
         check_vllm(config.model)
 
@@ -153,7 +158,6 @@ def check_competitive(config: TrainConfig, env) -> None:
 
     Raises:
         ValueError: another trainer or credit mode, naming the flags that work."""
-    from marft.algorithms import trainer_class
 
     if not getattr(env, "competitive", False):
         return
@@ -214,7 +218,6 @@ def check_processes(config: TrainConfig) -> None:
     Raises:
         ValueError: P does not divide ``--n_rollout_threads``, or ``--device`` names one GPU for all processes.
     """
-    from marft.distributed import world_size_from_env
 
     processes, envs = world_size_from_env(), config.runner.n_rollout_threads
     if processes > 1 and envs % processes:
@@ -238,7 +241,6 @@ def check_work_left(config: TrainConfig) -> None:
         FileNotFoundError: ``--load_path`` holds no complete checkpoint.
         ValueError: the checkpoint already collected ``--num_env_steps`` (less than one iteration is left).
     """
-    from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state
 
     checkpoint = find_checkpoint(config.runner.load_path)  # a steps_<N> folder, or a run directory's latest
     state = read_trainer_state(checkpoint)
@@ -260,10 +262,6 @@ def build_team(config: TrainConfig, profile, dist=None):
     The seed is set after loading, since building the embedded model draws random numbers: a first run and
     a cached run start alike. With several processes (``dist``), rank 0 builds the embedded model first,
     every process starts from rank 0's adapters, and each samples with its own seed."""
-    from marft.agents.team import AgentTeam
-    from marft.algorithms import make_trainer, trainer_class
-    from marft.distributed import Distributed
-    from marft.models.loading import load_base_model
 
     dist = dist or Distributed()
     with dist.main_process_first():  # rank 0 builds and caches the embedded model before the others read it
@@ -287,7 +285,6 @@ def resolve_kl_reference(config: TrainConfig) -> str:
         return value
     if not config.runner.load_path:
         return "base"
-    from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
 
     saved, state = read_checkpoint_meta(find_checkpoint(config.runner.load_path))
     saved_value = saved.get("algo", {}).get("kl_reference")
@@ -303,9 +300,6 @@ def build_runner(config: TrainConfig, validated=None):
 
     ``validated`` is the result of :func:`validate` when the caller already checked the inputs.
     """
-    from marft.distributed import init_distributed
-    from marft.envs.vector import TextVectorEnv
-    from marft.runner.shared.runner import Runner
 
     profile, make_train_env, make_eval_env = validated or validate(config)
     dist = init_distributed(config.model.device, config.runner.dist_timeout_s)  # one process: no process group
@@ -353,7 +347,6 @@ def run_training(runner) -> dict:
 def main(argv: Optional[list[str]] = None) -> int:
     """``python -m marft.launch [flags]``; returns an :class:`~marft.faults.ExitCode` (0 done, 1 training stopped,
     2 bad input, 74 a checkpoint or log could not be written, 75 stopped by a signal after a checkpoint)."""
-    from marft.distributed import world_size_from_env
 
     rank = int(os.environ.get("RANK", "0")) if world_size_from_env() > 1 else 0
     logging.basicConfig(
@@ -364,21 +357,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     config, given = parse_config(argv)
     try:
         if config.runner.load_path:
-            from marft.runner.shared.checkpoint import resume_config
 
             config = resume_config(config, given)  # flags not given come from the checkpoint
         validated = validate(config)
     except (OSError, ValueError) as error:  # FileNotFoundError, PermissionError, IsADirectoryError ... name their file
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    from marft.faults import CheckpointError, Preempted, SaveFailed, TrainingStopped
 
     try:
         runner = build_runner(config, validated)
     except (OSError, ValueError) as error:  # what only the loaded model can tell (e.g. --lora_target_modules it lacks)
         print(f"error: {error}", file=sys.stderr)
         return ExitCode.BAD_INPUT
-    from marft.distributed import shutdown_distributed
 
     try:
         summary = run_training(runner)
@@ -405,7 +395,6 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def run_main(argv: Optional[list[str]] = None) -> int:
     """:func:`main`, then stop signals ignored until the process exits (``python -m marft.launch``, ``marft train``)."""
-    from marft.runner.shared.preemption import ignore_stop_signals
 
     code = main(argv)
     ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit

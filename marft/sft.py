@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from marft.prompting import HOST_ROLE, JUDGE_ROLE, format_problem, format_turn
+from marft.validation import check_fields
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ class SFTConfig:
     """Learning rate of the adapters during the warm start (AdamW, cosine decay)."""
 
     def __post_init__(self):
-        from marft.validation import check_fields
-
         check_fields(self)  # types, finite numbers and ranges (marft.validation.RULES)
 
 

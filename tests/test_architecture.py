@@ -204,6 +204,33 @@ def test_functions_are_short_or_say_why():
     assert not long, "functions over 60 lines without a reason:\n" + "\n".join(long)
 
 
+MAX_CLASS_LINES = 340
+"""About 300 lines: a class over it does several jobs (split it into parts, as the trainers' batching, schedule, KL
+and guarded steps, or the runner's log, resume and keep-best phases are)."""
+
+
+def test_classes_are_short():
+    long = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES]
+    assert not long, f"classes over {MAX_CLASS_LINES} lines:\n" + "\n".join(long)
+
+
+def test_marft_modules_are_imported_at_the_top():
+    """No function imports a marft module: the dependencies of a module are its first lines (optional third-party
+    packages, such as vllm or textarena, are imported where they are used, by the marft module that wraps them)."""
+    inside = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for function in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(function):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if any(name == "marft" or name.startswith("marft.") for name in names) or getattr(node, "level", 0):
+                    inside.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} in {function.name}")
+    assert not inside, "marft imports inside functions (move them to the module's imports):\n" + "\n".join(inside)
+
+
 def test_every_implementation_table_has_exactly_the_choice_names():
     """Each choice flag's names (:mod:`marft.choices`) and the table that implements them agree."""
     from marft import choices

@@ -9,6 +9,7 @@ from test_team import fill_buffer, make_team
 
 from marft.algorithms import TRAINERS, trainer_class
 from marft.algorithms.appo_trainer import APPOTrainer
+from marft.algorithms.batching import token_budget_split
 from marft.config import AlgoConfig
 from marft.types import TurnBatch
 
@@ -57,14 +58,14 @@ def test_split_keeps_order_and_fits_the_budget():
     response_mask = (torch.arange(L) < reply[:, None]).long()  # right padding
     samples = TurnBatch(prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask, response_ids=response_mask * 7, response_mask=response_mask)
     chunk = torch.tensor([5, 0, 1, 2, 3, 4])
-    parts = APPOTrainer._token_budget_split(samples, chunk, budget=12)
+    parts = token_budget_split(samples, chunk, budget=12)
     # row 5 (6) + row 0 -> 2 x 6 = 12 fits; + row 1 -> 3 x 6 = 18 no; rows 1,2 -> 2 x 5 = 10; + row 3 -> 3 x 6 no;
     # row 3 (6) alone (+ row 4 -> 2 x 12 no); row 4 (12) alone
     assert [p.tolist() for p in parts] == [[5, 0], [1, 2], [3], [4]]
     assert torch.equal(torch.cat(parts), chunk)
     assert all(padded_tokens(samples, p) <= 12 for p in parts)
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=1)] == [[r] for r in chunk.tolist()]
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=10**6)] == [chunk.tolist()]
+    assert [p.tolist() for p in token_budget_split(samples, chunk, budget=1)] == [[r] for r in chunk.tolist()]
+    assert [p.tolist() for p in token_budget_split(samples, chunk, budget=10**6)] == [chunk.tolist()]
 
 
 def test_split_counts_the_longest_header_before_the_longest_rest():
@@ -75,9 +76,9 @@ def test_split_counts_the_longest_header_before_the_longest_rest():
     prompt_mask = (torch.arange(P).flip(0) < torch.tensor([8, 8])[:, None]).long()
     samples = TurnBatch(agent=torch.tensor([0, 1]), prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask)
     chunk, headers = torch.tensor([0, 1]), torch.tensor([6, 2])
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20)] == [[0, 1]]
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20, header_lengths=headers)] == [[0], [1]]
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=24, header_lengths=headers)] == [[0, 1]]
+    assert [p.tolist() for p in token_budget_split(samples, chunk, budget=20)] == [[0, 1]]
+    assert [p.tolist() for p in token_budget_split(samples, chunk, budget=20, header_lengths=headers)] == [[0], [1]]
+    assert [p.tolist() for p in token_budget_split(samples, chunk, budget=24, header_lengths=headers)] == [[0, 1]]
 
 
 def test_split_counts_a_shared_header_once():
@@ -91,11 +92,11 @@ def test_split_counts_a_shared_header_once():
     samples = TurnBatch(agent=torch.zeros(n, dtype=torch.long), prompt_ids=prompt_mask * 7, prompt_mask=prompt_mask,
                         response_ids=response_mask * 7, response_mask=response_mask)
     chunk, headers = torch.arange(n), torch.full((n,), 6)
-    parts = APPOTrainer._token_budget_split(samples, chunk, budget=20, header_lengths=headers)
+    parts = token_budget_split(samples, chunk, budget=20, header_lengths=headers)
     assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5]]  # 6 + 4 x 3 = 18 <= 20; 6 + 5 x 3 = 21 > 20
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(samples, chunk, budget=20)] == [[0, 1], [2, 3], [4, 5]]  # no sharing: 9 a row
+    assert [p.tolist() for p in token_budget_split(samples, chunk, budget=20)] == [[0, 1], [2, 3], [4, 5]]  # no sharing: 9 a row
     only_headers = samples.replace(prompt_mask=(torch.arange(P).flip(0) < 6).long().expand(n, P))  # nothing after the header
-    assert [p.tolist() for p in APPOTrainer._token_budget_split(only_headers, chunk, budget=20, header_lengths=headers)] == [[0, 1], [2, 3], [4, 5]]
+    assert [p.tolist() for p in token_budget_split(only_headers, chunk, budget=20, header_lengths=headers)] == [[0, 1], [2, 3], [4, 5]]
 
 
 @pytest.mark.parametrize("algorithm", sorted(TRAINERS))

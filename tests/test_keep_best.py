@@ -113,7 +113,7 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
 
     scripted_accuracy(monkeypatch, RECOVERED)
     seen = {}
-    original = runner_module.Runner._roll_back
+    original = runner_module.Runner.roll_back
 
     def roll_back(self, iteration, message):
         original(self, iteration, message)
@@ -125,9 +125,9 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
         seen["lr_factor"] = self.trainer.lr_factor
         seen["team"] = team
 
-    monkeypatch.setattr(runner_module.Runner, "_roll_back", roll_back)
+    monkeypatch.setattr(runner_module.Runner, "roll_back", roll_back)
     run = tmp_path / "run"
-    with caplog.at_level(logging.WARNING, logger="marft.runner.shared.runner"):
+    with caplog.at_level(logging.WARNING, logger="marft.runner.shared"):
         assert main(run_flags(random_model_dir, run, "--keep_checkpoints", "1")) == 0
     best = run / "checkpoints" / "best"
     state = read_trainer_state(best)
@@ -160,7 +160,7 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
 
 def test_warn_goes_on_and_stop_ends_the_run_with_a_checkpoint(random_model_dir, tmp_path, monkeypatch, caplog):
     scripted_accuracy(monkeypatch, RISE_AND_FALL)
-    with caplog.at_level(logging.WARNING, logger="marft.runner.shared.runner"):
+    with caplog.at_level(logging.WARNING, logger="marft.runner.shared"):
         assert main(run_flags(random_model_dir, tmp_path / "warn", "--on_collapse", "warn")) == 0
     warned = [r.message for r in caplog.records if "collapse after" in r.message]
     assert len(warned) == 1 and str(tmp_path / "warn" / "checkpoints" / "best") in warned[0] and "training goes on" in warned[0]

@@ -30,6 +30,7 @@ from test_checkpoint import weights
 import marft.runner.shared.checkpoint as checkpoint_module
 import marft.runner.shared.collector as collector_module
 import marft.runner.shared.evaluation as evaluation_module
+import marft.runner.shared.run_log as run_log_module
 import marft.runner.shared.runner as runner_module
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.distributed import SINGLE
@@ -389,7 +390,7 @@ def test_a_full_disk_under_the_transcripts(random_model_dir, tmp_path, monkeypat
     def write_transcripts(path, episodes):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(runner_module, "write_transcripts", write_transcripts)
+    monkeypatch.setattr(run_log_module, "write_transcripts", write_transcripts)
     run = tmp_path / "run"
     assert main(flags(random_model_dir, run, iterations=1)) == ExitCode.SAVE_FAILED
     err = error_lines(capsys)

@@ -217,7 +217,7 @@ def test_runner_bootstraps_a_truncated_episode_from_its_final_observation(random
 def test_agent_schedule_counts_env_steps_like_the_original():
     """The original's sample script: --agent_iteration_interval 1000 with 4 envs x 1 step switches agents every
     250 iterations (the agent is (env steps after the iteration // interval) % n_agents); --warmup_steps too."""
-    team = type("Team", (), {"n_agents": 2, "agent_adapters": ["a", "b"], "policy_adapters": ["a", "b"]})()
+    team = type("Team", (), {"n_agents": 2, "agent_adapters": ["a", "b"], "policy_adapters": ["a", "b"], "profile": None})()
     trainer = trainer_class("APPO").__new__(trainer_class("APPO"))
     trainer.team, trainer.steps_per_iteration = team, 4
     trainer.config = AlgoConfig(agent_iteration_interval=1000)

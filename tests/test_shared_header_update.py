@@ -8,7 +8,7 @@ from test_rl_audit import one_step_gradients, perturb_adapters
 from test_team import HISTORIES
 
 from marft.agents.team import AgentTeam
-from marft.algorithms import trainer_class
+from marft.algorithms import batching, trainer_class
 from marft.config import AlgoConfig, ModelConfig
 from marft.envs.profile import load_profile
 from marft.models.loading import load_base_model
@@ -239,8 +239,8 @@ def test_headers_held_over_an_uncut_minibatch_count_against_the_budget(random_mo
     trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_mib=0, kl_coef=0.0)
     torch.manual_seed(0)
     (plain,) = trainer._minibatches(samples, team.n_agents)
-    header_lengths = trainer._header_lengths(samples)
-    rows, headers = zip(*(trainer._chunk_positions(samples, chunk, header_lengths) for chunk in plain.chunks))
+    header_lengths = batching.header_lengths(samples, trainer.team.headers)
+    rows, headers = zip(*(batching.chunk_positions(samples, chunk, header_lengths) for chunk in plain.chunks))
     assert len(plain.chunks) == team.n_agents and min(headers) > 0 and not plain.budget_cut
     fits_alone = max(r + h for r, h in zip(rows, headers))  # no chunk is cut at this budget
     assert fits_alone < max(rows) + sum(headers)

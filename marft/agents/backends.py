@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from marft.agents.generation import DecodeLoop, GenerationBackend, SamplingSettings, TransformersGenerate
+from marft.agents.vllm_backend import VLLMGenerate
 
 if TYPE_CHECKING:
     from marft.agents.headers import RoleHeaderCache
@@ -14,7 +15,6 @@ if TYPE_CHECKING:
 def vllm_backend(headers: RoleHeaderCache, settings: SamplingSettings, logprobs_from_generate: bool, config: ModelConfig | None = None,
                  previous: GenerationBackend | None = None) -> GenerationBackend:
     """A :class:`~marft.agents.vllm_backend.VLLMGenerate` (vLLM is imported only here), on ``previous``'s engine if it has one."""
-    from marft.agents.vllm_backend import VLLMGenerate
 
     return VLLMGenerate(headers, settings, config, engine=getattr(previous, "engine", None))
 

@@ -407,3 +407,21 @@ def buffer_credits(buffer, mode: str, credit_discount: float) -> torch.Tensor:
     per-agent rewards, ``(T, E, S)``."""
     return turn_credits(buffer.rewards, mode, credit_discount, team_rewards=buffer.agent_rewards, played=buffer.played,
                         agents=buffer.agent, layers=buffer.layer)
+
+
+def batch_ranks_replies(buffer, token_level: bool, dist) -> bool:
+    """Whether a rollout ``buffer`` (:class:`~marft.runner.shared.buffer.RolloutBuffer`, over all processes of
+    ``dist``) can rank replies: not when its advantages (token advantages at the token level) are all zero, nor
+    when every reward is equal and every step ended its episode for good (each return is then a sum of equal
+    rewards with nothing bootstrapped, so any advantage is the critic's error alone). Equal rewards in a batch where
+    an episode goes on are informative: the bootstrapped value of the next state still ranks the replies. A NaN
+    advantage counts as not zero (the update's checks catch it)."""
+    advantages = buffer.token_advantages if token_level else buffer.advantages
+    going_on = buffer.active & ~buffer.terminated  # (T, E): a played step whose episode continues (or was cut)
+    nonzero, open_steps = dist.sum_floats([float((advantages != 0).sum()), float(going_on.sum())])
+    if nonzero == 0:
+        return False
+    if open_steps > 0:
+        return True
+    stats = dist.mean_std(buffer.agent_rewards.flatten().double())
+    return stats is None or float(stats[1]) > 1e-9

@@ -13,7 +13,7 @@ vocabulary's logits (bounded on their own, ``--max_logits_mib``) are not counted
 
 The default memory, 1024 MiB on CPU and a quarter of the GPU's memory on CUDA, is fixed per device kind, so a
 seeded CPU run chunks the same on every machine. A minibatch the budget does not cut runs as it does without a
-budget (:meth:`~marft.algorithms.ppo.PPOTrainer._minibatches`), so a small model's run (the embedded
+budget (:func:`~marft.algorithms.batching.plan_minibatches`), so a small model's run (the embedded
 ``marft-tiny``: 69,905 positions at 1024 MiB) is the same with or without it.
 """
 

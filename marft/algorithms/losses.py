@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from marft.types import TurnBatch
+
 NORMALIZERS = {
     "sum": lambda total, mask, n_words: total,
     "token": lambda total, mask, n_words: total / mask.sum(-1).clamp(min=1),
@@ -36,6 +38,32 @@ def rollout_correction_weights(old_logp: torch.Tensor, sampling_logp: torch.Tens
         if mode == "mask":
             return ((ratio <= cap) & (ratio >= 1.0 / cap)).float()
     raise ValueError(f"unknown --rollout_correction {mode!r}; known: none, truncate, mask")
+
+
+def batch_correction_weights(mb: TurnBatch, mode: str, cap: float, normalization_mode: str, per_token: bool) -> tuple[torch.Tensor | None, int]:
+    """``(weights, changed)``: ``--rollout_correction`` weights (``mode``, ``cap``) of the minibatch's replies sampled
+    by an inference engine, for a loss per reply (``per_token`` False: ``(B,)``) or per token (``(B, L)``, zero at
+    padding), and how many replies (tokens) they truncated or dropped. ``truncate`` weighs by the reply's
+    probability ratio (its token log-probs combined by ``normalization_mode``, as the PPO ratio is) or each
+    token's, ``mask`` always keeps or drops whole replies. ``(None, 0)`` without an engine."""
+    if mb.sampling_logprobs is None:
+        return None, 0
+    mask = mb.response_mask.float()  # (B, L)
+    if not per_token:  # the reply's ratio as the PPO ratio forms it (--normalization_mode)
+        old = normalize_logprobs(mb.logprobs, mask, mb.n_words, normalization_mode)  # (B,)
+        sampled = normalize_logprobs(mb.sampling_logprobs, mask, mb.n_words, normalization_mode)
+    else:
+        old, sampled = mb.logprobs * mask, mb.sampling_logprobs * mask  # (B, L)
+        if mode == "mask":
+            old, sampled = old.sum(-1), sampled.sum(-1)  # (B,) whole replies
+    weights = rollout_correction_weights(old, sampled, mode, cap)
+    if weights is None:
+        return None, 0
+    real = mask.bool() if weights.dim() == 2 else mask.sum(-1) > 0
+    changed = (weights == 0 if mode == "mask" else weights < torch.exp(old - sampled)) & real
+    if per_token:
+        weights = (weights if weights.dim() == 2 else weights[:, None]) * mask  # (B, L)
+    return weights, int(changed.sum())
 
 
 def clipped_policy_loss(new_logp, old_logp, advantages, clip_param: float, weights=None, clip_param_high: float | None = None,

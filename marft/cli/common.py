@@ -9,7 +9,8 @@ import sys
 from collections.abc import Callable
 
 from marft.config import OneLineErrorParser
-from marft.faults import ExitCode
+from marft.faults import CheckpointError, ExitCode
+from marft.runner.shared.checkpoint import trained_checkpoint
 
 
 def parser(prog: str, description: str) -> OneLineErrorParser:
@@ -18,7 +19,6 @@ def parser(prog: str, description: str) -> OneLineErrorParser:
 
 def run(job: Callable[[], int]) -> int:
     """``job()``; an ``OSError`` / ``ValueError`` (a missing file, bad input, a bad checkpoint) becomes one line."""
-    from marft.faults import CheckpointError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
@@ -41,7 +41,6 @@ def add_checkpoint_flags(p: argparse.ArgumentParser, required: bool = True) -> N
 
 def chosen_checkpoint(prog: str, load_path: str, which: str) -> str:
     """The checkpoint folder ``prog`` takes from ``--load_path`` / ``--checkpoint``, said on stderr in one line."""
-    from marft.runner.shared.checkpoint import trained_checkpoint
 
     path, line = trained_checkpoint(load_path, which)
     print(f"{prog}: checkpoint {line}", file=sys.stderr, flush=True)

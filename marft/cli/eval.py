@@ -7,6 +7,7 @@ import json
 
 from marft.choices import GENERATION_BACKENDS
 from marft.cli.common import add_checkpoint_flags, chosen_checkpoint, int_list, parser, run
+from marft.trained.evaluate import checkpoint_config, evaluate
 
 
 def build_parser():
@@ -44,8 +45,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_from_args(args: argparse.Namespace) -> int:
-    from marft.trained.evaluate import checkpoint_config, evaluate
-
     if args.load_path is None:
         raise ValueError("--load_path is required (a checkpoint or a run directory); with --base_model its config is used without its adapters")
     if args.n < 1 or (args.episodes is not None and args.episodes < 1) or (args.n_eval_threads is not None and args.n_eval_threads < 1):

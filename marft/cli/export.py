@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from marft.cli.common import add_checkpoint_flags, chosen_checkpoint, parser, run
+from marft.trained.export import export
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -14,8 +15,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def job() -> int:
-        from marft.trained.export import export
-
         out = export(chosen_checkpoint("marft export", args.load_path, args.checkpoint), args.output_dir, merge=args.merge, device=args.device)
         print(f"exported to {out} (team.json, README.md, one adapter folder per role)", flush=True)
         return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from marft.cli.common import add_checkpoint_flags, chosen_checkpoint, parser, run
+from marft.trained.evaluate import checkpoint_config
+from marft.trained.play import play
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,9 +19,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     def job() -> int:
-        from marft.trained.evaluate import checkpoint_config
-        from marft.trained.play import play
-
         problem = args.problem if args.problem is not None else sys.stdin.read()
         if not problem.strip():
             raise ValueError("the problem is empty: give the team a question (an argument or stdin)")

@@ -26,6 +26,7 @@ import gymnasium
 
 from marft.envs.base import CustomEnv, EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.profile import AgentSpec, load_profile
+from marft.envs.textarena.env import TextArenaEnv
 
 _REGISTRY: dict[str, str | Callable[..., CustomEnv]] = {}
 
@@ -71,7 +72,6 @@ def resolve(name: str) -> Callable[..., CustomEnv]:
         entry = _REGISTRY[name]
         return _import(entry, name) if isinstance(entry, str) else entry
     if name.startswith("textarena:"):  # a TextArena game: textarena:TicTacToe-v0
-        from marft.envs.textarena.env import TextArenaEnv
 
         return functools.partial(TextArenaEnv, name.split(":", 1)[1])
     if ":" in name:

@@ -50,6 +50,13 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from marft.agents.prompts import PromptEncoder
+from marft.envs.math.arithmetic import generate_arithmetic
+from marft.envs.profile import load_profile
+from marft.envs.relay_sum.env import keeper_observation, relay_problem
+from marft.prompting import format_private, format_problem, format_turn
+from marft.sft import collate_turns, reply_loss, turn_examples
+
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "marft-tiny"
@@ -122,7 +129,6 @@ class TinyRecipe:
 
     def epoch_examples(self, encoders: dict, eos_id: int, rng) -> list:
         """One epoch of warm-start ``TurnExample``s (fresh noisy labels drawn with ``rng``)."""
-        from marft.sft import turn_examples
 
         return turn_examples(encoders["reasoner_actor"], warm_start_transcripts(self, rng), eos_id=eos_id)
 
@@ -184,9 +190,6 @@ def _qwen2_config(tokenizer, hidden_size: int, num_layers: int, num_heads: int):
 
 def _corpus_texts(seed: int = 0) -> list[str]:
     """Profile prompts, arithmetic transcripts and judge feedback: what the tokenizer should know."""
-    from marft.envs.math.arithmetic import generate_arithmetic
-    from marft.envs.relay_sum.env import keeper_observation, relay_problem
-    from marft.prompting import format_private, format_problem, format_turn
 
     profile_files = sorted(PROFILES_DIR / f"{name}.json" for name in CORPUS_PROFILES)
     texts = [json.dumps(json.loads(p.read_text())) for p in profile_files]
@@ -280,8 +283,6 @@ def warm_start_transcripts(recipe: TinyRecipe, rng) -> list[dict]:
     alone leaves ~18% sampled / 25% greedy on test, too little for RL to sharpen.) Then every ``relay_sum``
     pair, the key private to the Reasoner as in RelaySumEnv.
     """
-    from marft.envs.math.arithmetic import generate_arithmetic
-    from marft.envs.relay_sum.env import keeper_observation, relay_problem
 
     def transcript(problem: str, reasoning: str, final: str, private: dict | None = None) -> dict:
         turns = [{"role": "Reasoner", "text": reasoning}, {"role": "Actor", "text": final}]
@@ -297,8 +298,6 @@ def warm_start_transcripts(recipe: TinyRecipe, rng) -> list[dict]:
 
 def warm_start_prompts(tokenizer):
     """The prompt encoder of the Reasoner → Actor team the embedded model is warm-started as."""
-    from marft.agents.prompts import PromptEncoder
-    from marft.envs.profile import load_profile
 
     return PromptEncoder(tokenizer, load_profile("reasoner_actor", n_agents=2), max_prompt_len=MAX_POSITIONS)
 
@@ -308,7 +307,6 @@ def _warm_start(model, tokenizer, recipe: TinyRecipe) -> float:
 
     The same code path as a team's warm start (``marft.sft``: ``turn_examples``, ``collate_turns``,
     ``reply_loss``), on every weight of the model rather than on LoRA adapters."""
-    from marft.sft import collate_turns, reply_loss
 
     rng = np.random.default_rng(recipe.seed)
     encoders = recipe.warm_start_encoders(tokenizer)

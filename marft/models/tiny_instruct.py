@@ -25,7 +25,13 @@ from typing import ClassVar
 
 import numpy as np
 
+from marft.agents.prompts import PromptEncoder
+from marft.envs.code.generated import OPERATIONS, generate_tasks
+from marft.envs.profile import load_profile
+from marft.envs.route.env import RouteEnv
 from marft.models.tiny import EOS, MAX_POSITIONS, TinyRecipe, _corpus_texts, train_tokenizer, warm_start_transcripts
+from marft.prompting import format_problem, format_turn, handover_text
+from marft.sft import turn_examples
 
 INSTRUCT_MODEL_NAME = "marft-tiny-instruct"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -62,15 +68,10 @@ class InstructRecipe(TinyRecipe):
                                eos_token=IM_END, chat_template=CHATML_TEMPLATE)
 
     def warm_start_encoders(self, tokenizer) -> dict:
-        from marft.agents.prompts import PromptEncoder
-        from marft.envs.profile import load_profile
-
         return {name: PromptEncoder(tokenizer, load_profile(name), max_prompt_len=MAX_POSITIONS, chat_template="auto")
                 for name in WARM_START_PROFILES}
 
     def epoch_examples(self, encoders: dict, eos_id: int, rng) -> list:
-        from marft.sft import turn_examples
-
         return [example for name, transcripts in epoch_transcripts(self, rng).items()
                 for example in turn_examples(encoders[name], transcripts, eos_id=eos_id)]
 
@@ -79,7 +80,6 @@ def code_replies(operation: str, k: int, rng, coder_correct: float, actor_copies
     """Warm-start replies on the generated task ``f(x) = x <op> k``: the Reasoner names the expression
     (``"f(x) returns x + 3."``; another constant ``1 - coder_correct`` of the time), the Actor writes it as a
     program (copying the Reasoner's constant ``actor_copies`` of the time, else one off)."""
-    from marft.envs.code.generated import OPERATIONS
 
     symbol = OPERATIONS[operation]
     said = k if rng.random() < coder_correct else (k + int(rng.choice([-1, 1])) * int(rng.integers(1, 4))) % 10
@@ -89,7 +89,6 @@ def code_replies(operation: str, k: int, rng, coder_correct: float, actor_copies
 
 def code_transcripts(recipe: InstructRecipe, rng) -> list[dict]:
     """``code_repeats`` noisy transcripts per generated code task of both splits (as pretraining would cover them)."""
-    from marft.envs.code.generated import generate_tasks
 
     out = []
     for problem in (generate_tasks("train") + generate_tasks("test")) * recipe.code_repeats:
@@ -102,7 +101,6 @@ def code_transcripts(recipe: InstructRecipe, rng) -> list[dict]:
 
 def route_transcripts(recipe: InstructRecipe, rng) -> list[dict]:
     """``route_episodes`` orchestrated ``route`` demonstrations (boxes of both splits), drawn with ``rng``."""
-    from marft.envs.route.env import RouteEnv
 
     env = RouteEnv("train")
     env.tasks = env.tasks + RouteEnv("test").tasks
@@ -119,8 +117,6 @@ def epoch_transcripts(recipe: InstructRecipe, rng) -> dict[str, list[dict]]:
 def _instruct_corpus(recipe: InstructRecipe) -> list[str]:
     """The tokenizer's corpus: ``marft-tiny``'s, the warm-start teams' role prompts, and one epoch of their
     transcripts written as ChatML turns (the template's words and markers, code, the orchestration tags)."""
-    from marft.envs.profile import load_profile
-    from marft.prompting import format_problem, format_turn, handover_text
 
     texts = _corpus_texts(recipe.seed)
     for name in WARM_START_PROFILES:

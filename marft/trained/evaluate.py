@@ -22,8 +22,20 @@ import numpy as np
 import torch
 
 from marft.config import TrainConfig
+from marft.envs.profile import load_profile
+from marft.launch import build_env_factories, build_team, check_generation_backend, probe_env
+from marft.models.loading import check_model_path
+from marft.runner.shared.checkpoint import (
+    BEFORE_THE_FLAG,
+    find_checkpoint,
+    load_checkpoint,
+    read_adapter,
+    read_checkpoint_meta,
+    set_adapter_weights,
+)
 from marft.runner.shared.diagnostics import TeamDiagnostics
-from marft.validation import check_writable_folder
+from marft.runner.shared.evaluation import evaluate_episodes
+from marft.validation import check_device, check_writable_folder
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +59,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def checkpoint_config(load_path: str | Path) -> tuple[TrainConfig, Path]:
     """The run config a checkpoint was trained with (fields it predates keep their defaults), and its
     ``steps_<N>`` folder (a run directory means its latest checkpoint)."""
-    from marft.runner.shared.checkpoint import BEFORE_THE_FLAG, find_checkpoint, read_checkpoint_meta
 
     path = find_checkpoint(load_path)
     saved, _ = read_checkpoint_meta(path)
@@ -79,11 +90,6 @@ def load_team(config: TrainConfig, checkpoint: Path | None, split: str = "test")
     """The team ``config`` describes with the adapters of ``checkpoint`` (None: fresh adapters, i.e. the base model's
     own replies, LoRA starting at zero); returns ``(team, profile, make_eval_env)``, the env on ``split``. Only what a trained team needs
     is checked (the profile, the model, the device, the held-out env), not the training data or run folder."""
-    from marft.envs.profile import load_profile
-    from marft.launch import build_env_factories, build_team, check_generation_backend, probe_env
-    from marft.models.loading import check_model_path
-    from marft.runner.shared.checkpoint import load_checkpoint
-    from marft.validation import check_device
 
     config.check()
     check_device(config.model.device)
@@ -127,7 +133,6 @@ def evaluate(
         ValueError: ``k`` larger than ``n``, an env without held-out tasks for pass@k, a bad config.
         FileNotFoundError: no such checkpoint.
     """
-    from marft.runner.shared.evaluation import evaluate_episodes
 
     if episodes is None and any(not 1 <= kk <= n for kk in k):
         raise ValueError(f"every --k must be between 1 and --n {n}, got {', '.join(map(str, k))}")
@@ -301,7 +306,6 @@ def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, r
         ValueError: not a self-play game, no or an unknown ``role``, or a checkpoint of another team.
         FileNotFoundError: no such checkpoint.
         CheckpointError: its adapter for ``role`` is missing, unreadable or of another shape."""
-    from marft.runner.shared.checkpoint import read_adapter, set_adapter_weights
 
     if not hasattr(make_env().unwrapped, "play_randomly"):
         raise ValueError("--versus_checkpoint is for self-play games (textarena:<id> with a two-agent profile)")

@@ -16,6 +16,11 @@ import os
 import shutil
 from pathlib import Path
 
+from marft.agents.adapters import tied_output_layer_allowed
+from marft.agents.dtypes import TORCH_DTYPES
+from marft.models.loading import resolve_model_path
+from marft.runner.shared.checkpoint import read_checkpoint_meta
+from marft.trained.evaluate import checkpoint_config, load_team
 from marft.validation import check_writable_folder
 
 TEAM_FILE = "team.json"
@@ -28,9 +33,6 @@ def export(load_path: str | Path, output_dir: str | Path, merge: bool = False, d
     Raises:
         FileExistsError: ``output_dir`` exists and is not empty. FileNotFoundError / CheckpointError: a bad checkpoint.
     """
-    from marft.models.loading import resolve_model_path
-    from marft.runner.shared.checkpoint import read_checkpoint_meta
-    from marft.trained.evaluate import checkpoint_config, load_team
 
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
@@ -94,8 +96,6 @@ def merge_adapter(base: str, adapter_folder: Path, out: Path, tokenizer, config)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from marft.agents.adapters import tied_output_layer_allowed
-    from marft.agents.dtypes import TORCH_DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=TORCH_DTYPES[config.model.dtype], trust_remote_code=config.model.trust_remote_code)
     with tied_output_layer_allowed():

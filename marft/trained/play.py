@@ -9,6 +9,10 @@ from pathlib import Path
 import torch
 
 from marft.config import TrainConfig
+from marft.envs.one_problem import OneProblemEnv
+from marft.envs.workflows import workflow_for
+from marft.runner.shared.turns import play_team_step
+from marft.trained.evaluate import load_team, team_source
 
 
 def play(problem: str, load_path: str | Path | None = None, config: TrainConfig | None = None, seed: int = 0,
@@ -22,10 +26,6 @@ def play(problem: str, load_path: str | Path | None = None, config: TrainConfig 
     Raises:
         ValueError: an empty problem, or neither a checkpoint nor a config.
     """
-    from marft.envs.one_problem import OneProblemEnv
-    from marft.envs.workflows import workflow_for
-    from marft.runner.shared.turns import play_team_step
-    from marft.trained.evaluate import load_team, team_source
 
     config, checkpoint = team_source(load_path, config)
     if not problem.strip():

@@ -38,6 +38,8 @@ from safetensors.torch import load_file, save_file
 
 from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.team import AgentTeam
+from marft.config import TrainConfig
+from marft.envs.profile import load_profile
 from marft.faults import CheckpointError, CheckpointWriteError
 from marft.runner.shared.storage import describe_write_error, free_bytes, human_bytes
 
@@ -170,6 +172,26 @@ def load_value_head_state(team: AgentTeam, state: dict[str, torch.Tensor]) -> No
     if team.critic_adapters == [CRITIC_ADAPTER]:
         state = {f"{CRITIC_ADAPTER}.{k}": v for k, v in state.items()}
     team.critic.value_heads.load_state_dict(state)
+
+
+def trainable_weights(team: AgentTeam) -> dict[str, torch.Tensor]:
+    """Copies of every adapter weight (``model.<name>``) and the value heads (``value_head.<name>``): what a
+    rollback or the best checkpoint's evaluation replaces, to be put back by :func:`set_trainable_weights`."""
+    weights = {f"model.{name}": p.detach().clone() for name, p in team.model.named_parameters() if "lora_" in name}
+    if team.has_critic:
+        weights.update({f"value_head.{k}": v.detach().clone() for k, v in value_head_state(team).items()})
+    return weights
+
+
+def set_trainable_weights(team: AgentTeam, weights: dict[str, torch.Tensor]) -> None:
+    """Copy :func:`trainable_weights`'s ``weights`` back into the team."""
+    params = dict(team.model.named_parameters())
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            if name.startswith("model."):
+                params[name[len("model."):]].copy_(tensor)
+    if team.has_critic:
+        load_value_head_state(team, {k[len("value_head."):]: v for k, v in weights.items() if k.startswith("value_head.")})
 
 
 def read_checkpoint_meta(path: str | Path) -> tuple[dict, dict]:
@@ -337,7 +359,6 @@ def resume_config(config, given: set[str]):
     Raises:
         CheckpointError: a flag that cannot change (model, agent count, roles, adapter shape) differs.
     """
-    from marft.config import TrainConfig
 
     path = find_checkpoint(config.runner.load_path)
     saved, state = read_checkpoint_meta(path)
@@ -370,7 +391,6 @@ def resume_incompatibilities(saved: dict, saved_roles: list[str] | None, config,
             if not same:
                 problems.append(f"--{name} was {old!r} in the checkpoint and is {new!r} now (it cannot change on resume)")
     if roles is None and saved_roles is not None and saved.get("model", {}).get("profile_path") != config.model.profile_path:
-        from marft.envs.profile import load_profile
 
         roles = [spec.role for spec in load_profile(config.model.profile_path, n_agents=config.model.n_agents)]
     if saved_roles is not None and roles is not None and list(saved_roles) != list(roles):

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from marft.faults import ExitCode
+from marft.runner.shared.checkpoint import rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,6 @@ def _say(text: str) -> None:
 def rollout_start(runner) -> dict:
     """What a rollout changes in ``runner`` (observations, env states, running returns, the trainer's counters,
     every RNG), taken before it starts so a half-done rollout can be undone."""
-    from marft.runner.shared.checkpoint import rng_state
 
     return {
         "envs": copy.deepcopy(runner.envs.state_dict()),
@@ -147,7 +147,6 @@ def rollout_start(runner) -> dict:
 def rewind(runner, state: dict) -> None:
     """Put ``runner`` back to :func:`rollout_start`'s ``state``: the checkpoint then written is the one the
     iteration started from, and the continuation replays the abandoned rollout exactly."""
-    from marft.runner.shared.checkpoint import set_rng_state
 
     runner.collector.obs = runner.envs.load_state_dict(state["envs"])
     runner.collector.episode_returns = np.asarray(state["episode_returns"], dtype=np.float64)

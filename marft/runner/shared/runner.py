@@ -20,9 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from marft.agents.team import AgentTeam
@@ -30,27 +28,16 @@ from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
 from marft.envs.workflows import OrchestratedWorkflow
 from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveFailed, TrainingStopped, oom_message
+from marft.runner.shared import keep_best, resume
 from marft.runner.shared.best import BestTracker
 from marft.runner.shared.buffer import RolloutBuffer
-from marft.runner.shared.checkpoint import (
-    BEST,
-    cleanup_partial_checkpoints,
-    config_changes,
-    find_checkpoint,
-    load_checkpoint,
-    load_value_head_state,
-    read_checkpoint_meta,
-    resume_incompatibilities,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    value_head_state,
-)
+from marft.runner.shared.checkpoint import cleanup_partial_checkpoints, rng_state, save_checkpoint
 from marft.runner.shared.collector import RolloutCollector, RolloutNeeds
-from marft.runner.shared.diagnostics import TeamDiagnostics, write_transcripts
+from marft.runner.shared.diagnostics import TeamDiagnostics
 from marft.runner.shared.evaluation import evaluate_episodes
 from marft.runner.shared.preemption import Preemption, RolloutAbandoned, rewind, rollout_start
-from marft.runner.shared.storage import GuardedWriter, expected_checkpoint_bytes, warn_if_low_space
+from marft.runner.shared.run_log import RunLog, loss_tags, markdown_table, save_failed_hint
+from marft.runner.shared.storage import expected_checkpoint_bytes, warn_if_low_space
 
 ORCHESTRATOR_INVALID = "orchestrator_invalid"
 """The trainer counter of orchestrator replies (training rollouts) with neither a known call nor ``<done/>``."""
@@ -84,13 +71,14 @@ class Runner:
         self.last_checkpoint: Path | None = None  # the newest checkpoint saved or resumed from (to point to on a stop)
         self.preemption = Preemption(config.runner.save_interval, config.runner.save_every_minutes, dist)
         """SIGTERM/SIGINT handling and the periodic-save clock (:mod:`marft.runner.shared.preemption`)."""
-        self.writer = self._open_writer()
+        self.log = RunLog(self.run_dir, dist, config.runner.continue_on_save_error)
+        """TensorBoard (rank 0), the run directory's files, progress lines (:mod:`marft.runner.shared.run_log`)."""
         if dist.is_main:
-            self._write_file(self.run_dir / "config.json", config.to_json())
-            self._write_file(self.run_dir / "config.yaml", config.to_yaml())  # the resolved run config: --config reads it
+            self.log.write_file(self.run_dir / "config.json", config.to_json())
+            self.log.write_file(self.run_dir / "config.yaml", config.to_yaml())  # the resolved run config: --config reads it
             cleanup_partial_checkpoints(self.checkpoint_dir)
             warn_if_low_space(self.run_dir, expected_checkpoint_bytes(team), config.runner.keep_checkpoints)
-            self.writer.add_text("config", _markdown_table(config.to_dict()))
+            self.writer.add_text("config", markdown_table(config.to_dict()))
         self.roles = [spec.role for spec in team.profile]
         self.diagnostics = TeamDiagnostics(self.roles)
         """Per-role figures (turns, reply lengths, advantages, the orchestrator's calls) for TensorBoard."""
@@ -116,30 +104,10 @@ class Runner:
         """This process's wall seconds in its iterations (all phases) and in the keep_best phase among them (the
         best's saves, rollbacks): what keeping the best costs, in ``summary.json`` (``seconds``)."""
 
-    def _open_writer(self, purge_step: int | None = None):
-        """TensorBoard on rank 0; a writer that drops everything on the other processes."""
-        if not self.dist.is_main:
-            return _NullWriter()
-        logs = self.run_dir / "logs"
-        return GuardedWriter(lambda: SummaryWriter(str(logs), purge_step=purge_step), logs, self._write_failed)
-
-    def _write_failed(self, what: str, error: BaseException) -> None:
-        """A log or file could not be written: stop cleanly (:class:`SaveFailed`, exit code 74) or, with
-        ``--continue_on_save_error``, warn and go on without it."""
-        from marft.runner.shared.storage import describe_write_error, free_bytes, human_bytes
-
-        message = f"could not write {what}: {describe_write_error(error)}; {human_bytes(free_bytes(self.run_dir))} free there"
-        if self.config.runner.continue_on_save_error:
-            logger.warning("%s; training goes on without it (--continue_on_save_error)", message)
-            return
-        raise SaveFailed(f"{message}. {self._save_failed_hint()}") from error
-
-    def _write_file(self, path: Path, text: str) -> None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
-        except OSError as error:
-            self._write_failed(str(path), error)
+    @property
+    def writer(self):
+        """The run's TensorBoard writer (:attr:`RunLog.writer`)."""
+        return self.log.writer
 
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
@@ -202,16 +170,12 @@ class Runner:
             if self.config.runner.continue_on_save_error:
                 logger.warning("%s; training goes on (--continue_on_save_error)", error)
                 return None
-            raise SaveFailed(f"{error}. {self._save_failed_hint()}") from error
+            raise SaveFailed(f"{error}. {save_failed_hint(self.run_dir)}") from error
         if error is not None:
             raise TrainingStopped(f"{error}. {self._resume_hint()}") from error
         if name is None:
             self.last_checkpoint = path
         return path
-
-    def _save_failed_hint(self) -> str:
-        return (f"Training stopped: free some space and continue with --load_path {self.run_dir}, or pass "
-                f"--continue_on_save_error to train on without checkpoints while saving fails")
 
     def _preempted(self, iteration: int) -> None:
         """A stop signal: write one checkpoint after ``iteration`` iterations (unless it is the last one
@@ -227,57 +191,8 @@ class Runner:
         )
 
     def restore(self, path: str | Path) -> None:
-        """Continue from a checkpoint (or a run directory's latest): check the config fits, load
-        everything, put every env back into its episode, and log the flags that changed."""
-        path = find_checkpoint(path)
-        saved_config, saved_state = read_checkpoint_meta(path)
-        problems = resume_incompatibilities(saved_config, saved_state.get("roles"), self.config, self.roles)
-        if problems:
-            raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
-        saved_processes = int(saved_state.get("world_size", 1))
-        if saved_processes != self.dist.world_size:
-            raise CheckpointError(
-                f"cannot resume from {path}: it was saved by a run of {saved_processes} process(es) and this run has "
-                f"{self.dist.world_size}; each process's RNG and environment states are in the checkpoint, so resume "
-                f"with {saved_processes} (e.g. torchrun --nproc_per_node {saved_processes}, or accelerate launch --num_processes {saved_processes})"
-            )
-        state = load_checkpoint(path, self.team, self.trainer)
-        if self.dist.enabled:
-            set_rng_state(state["rank_rng"][self.dist.rank])
-        self.start_iteration = int(state["iteration"])
-        self.env_steps = int(state["env_steps"])
-        self.best.load_state_dict(state.get("best_tracker", {}))
-        # The schedule and the iteration count go on from the env steps collected, at this run's rollout size
-        # (--n_rollout_threads or --episode_length may have changed).
-        self.trainer.schedule_origin = (self.start_iteration, self.env_steps)
-        self.n_iterations = self.config.iterations_after(self.start_iteration, self.env_steps)
-        self.trainer.total_iterations = self.n_iterations
-        self.last_checkpoint = path
-        warm_start = "envs" not in state and self.start_iteration == 0  # scripts/sft.py's checkpoint: RL starts here
-        self.starts_rl = warm_start
-        for name, (old, new) in config_changes(saved_config, self.config).items():
-            if not self.dist.is_main or (name == "kl_coef" and old is None):  # the algorithm's default: build_runner said it
-                continue
-            if name == "kl_reference" and old == "auto":
-                logger.info("--kl_reference auto is %r: training starts from a checkpoint", new)
-            elif warm_start:
-                logger.info("starting from the warm start with --%s %r (%r in its config)", name, new, old)
-            else:
-                logger.info("resuming with --%s changed: %r in the checkpoint, %r now", name, old, new)
-        same_envs = saved_config.get("env", {}).get("env_name") == self.config.env.env_name
-        E = self.envs.n_envs  # this process's share
-        if "envs" in state and same_envs and len(state["envs"]) == E * self.dist.world_size:
-            share = slice(self.dist.rank * E, (self.dist.rank + 1) * E)
-            self.collector.obs = self.envs.load_state_dict(state["envs"][share])
-            self.collector.episode_returns = np.asarray(state["episode_returns"][share], dtype=np.float64)
-        elif "envs" not in state:
-            logger.info("the checkpoint holds no environment states (a warm start): training starts on fresh episodes")
-        else:
-            logger.warning("environment states not restored (--env_name or the number of envs changed): fresh episodes")
-        # Later TensorBoard events replace those a crashed run logged after this checkpoint.
-        self.writer.close()
-        self.writer = self._open_writer(purge_step=self.start_iteration + 1)
-        logger.info("resumed from %s at iteration %d", path, self.start_iteration)
+        """Continue from a checkpoint or a run directory's latest (:func:`marft.runner.shared.resume.restore`)."""
+        resume.restore(self, path)
 
     def init_critics(self) -> None:
         """``--critic_init policy``, when this run starts RL: each critic adapter becomes a copy of the policy adapter
@@ -325,7 +240,7 @@ class Runner:
             self.restore(self.config.runner.load_path)
         self.init_critics()
         before, calls_before = self._evaluate_and_log(self.start_iteration)  # calls: whom an orchestrator called
-        self._print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
+        self.log.print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
         bar = tqdm(range(self.start_iteration, self.n_iterations), desc="train", dynamic_ncols=True, disable=None if self.dist.is_main else True)
         every = max(1, (self.n_iterations - self.start_iteration) // 20)  # without a terminal (no bar): about 20 progress lines
         for iteration in bar:
@@ -335,7 +250,7 @@ class Runner:
                 break
             bar.set_postfix(ret=f"{stats.get('charts/episode_return', float('nan')):.2f}", acc=f"{stats.get('charts/accuracy', float('nan')):.2f}")
             if bar.disable and (iteration + 1 - self.start_iteration) % every == 0:
-                self._print(f"iteration {iteration + 1}/{self.n_iterations}: training accuracy {stats.get('charts/accuracy', float('nan')):.3f}, "
+                self.log.print(f"iteration {iteration + 1}/{self.n_iterations}: training accuracy {stats.get('charts/accuracy', float('nan')):.3f}, "
                             f"return {stats.get('charts/episode_return', float('nan')):.3f}, {stats['charts/iteration_seconds']:.1f} s")
         return self._finish(before, calls_before)
 
@@ -368,7 +283,7 @@ class Runner:
         self._log_iteration(iteration, stats, metrics)
         # 4b. keep_best: the moving training accuracy; a new best is saved as checkpoints/best, a collapse handled
         phase = time.perf_counter()
-        self._keep_best(iteration, stats.get("charts/accuracy", float("nan")))
+        keep_best.keep_best(self, iteration, stats.get("charts/accuracy", float("nan")))
         self.seconds["keep_best"] += time.perf_counter() - phase
         # 5. checkpoint: --save_interval, --save_every_minutes, or a stop signal (which ends the run here)
         save_now, stop = self.preemption.after_iteration(iteration + 1)
@@ -382,46 +297,9 @@ class Runner:
         self.seconds["iterations"] += time.perf_counter() - start
         return stats
 
-    def _keep_best(self, iteration: int, accuracy: float) -> None:
-        """Feed the iteration's training accuracy (the mean over processes) to the best tracker: write
-        ``checkpoints/best`` at a new best, and at a collapse warn, stop or roll back (``--on_collapse``)."""
-        accuracy = self._over_processes({"accuracy": accuracy}).get("accuracy", float("nan"))
-        judgement = self.best.observe(iteration + 1, accuracy)
-        if judgement.moving_accuracy == judgement.moving_accuracy:
-            self.writer.add_scalar("charts/moving_accuracy", judgement.moving_accuracy, iteration + 1)
-        if judgement.new_best:
-            self.save(iteration + 1, name=BEST)
-            self.writer.add_scalar("charts/best_moving_accuracy", self.best.best.moving_accuracy, iteration + 1)
-        if not judgement.collapsed:
-            return
-        rc, best = self.config.runner, self.best.best
-        self.writer.add_scalar("counters/collapses", self.best.collapses, iteration + 1)
-        message = (f"collapse after iteration {iteration + 1}: the moving training accuracy ({rc.collapse_window} iterations) is "
-                   f"{judgement.moving_accuracy:.3f}, {best.moving_accuracy - judgement.moving_accuracy:.3f} below its best "
-                   f"{best.moving_accuracy:.3f} at iteration {best.iteration}, kept in {self.checkpoint_dir / BEST}")
-        if rc.on_collapse == "warn":
-            logger.warning("%s; training goes on (--on_collapse warn)", message)
-        elif rc.on_collapse == "stop":
-            logger.warning("%s; the run stops here (--on_collapse stop)", message)
-            self.stopped_by_collapse = True
-        else:
-            self._roll_back(iteration, message)
-
-    def _roll_back(self, iteration: int, message: str) -> None:
-        """``--on_collapse rollback``: the best checkpoint's adapters, critic and optimizer states come back, each
-        KL reference becomes the policy adapter as it is now (a fresh reference: the run is not pulled back to where
-        it started), and every learning rate is scaled by ``--rollback_lr_factor`` for the rest of the run. The
-        envs, RNG streams and counters go on; the rollback is counted (``counters/rollbacks``)."""
-        factor = self.config.runner.rollback_lr_factor
-        load_checkpoint(self.checkpoint_dir / BEST, self.team, self.trainer, rollback=True)
-        for adapter, reference in self.team.reference_adapters.items():
-            self.team.bank.copy_weights(adapter, reference)
-        self.trainer.lr_factor *= factor
-        self.trainer.counters["rollbacks"] = self.trainer.counters.get("rollbacks", 0) + 1
-        self.best.rolled_back()
-        self.writer.add_scalar("counters/rollbacks", self.trainer.counters["rollbacks"], iteration + 1)
-        reference = "each KL reference is now the best policy" if self.team.reference_adapters else "the KL reference stays the base model"
-        logger.warning("%s; rolled back to it (--on_collapse rollback): %s, learning rates x%.3g from here", message, reference, self.trainer.lr_factor)
+    def roll_back(self, iteration: int, message: str) -> None:
+        """``--on_collapse rollback`` to ``checkpoints/best`` (:func:`marft.runner.shared.keep_best.roll_back`)."""
+        keep_best.roll_back(self, iteration, message)
 
     def _log_iteration(self, iteration: int, stats: dict[str, float], metrics: dict[str, float]) -> None:
         """The iteration's rollout figures, counters and losses to TensorBoard (every ``--log_interval``)."""
@@ -431,7 +309,7 @@ class Runner:
         stats["counters/reward_failures"] = self.envs.failures()
         log_interval = self.config.runner.log_interval
         if log_interval and (iteration + 1) % log_interval == 0:
-            for key, value in self._over_processes({**stats, **_loss_tags(metrics)}).items():
+            for key, value in self.log.over_processes({**stats, **loss_tags(metrics)}).items():
                 self.writer.add_scalar(key, value, iteration + 1)
 
     def _evaluate_and_log(self, step: int) -> tuple[dict[str, float], dict[str, float]]:
@@ -439,7 +317,7 @@ class Runner:
         and, per role, the orchestrator's calls per step in this evaluation (empty without an orchestrator)."""
         result = self.evaluate()
         calls = self.diagnostics.call_distribution()  # before logging, which starts the next count
-        self._log_eval(result, step)
+        self.log.evaluation(result, step, self.diagnostics.evaluation_stats(), self.last_transcripts)
         self.best.observe_heldout(step, result["accuracy"])
         return result, calls
 
@@ -450,7 +328,7 @@ class Runner:
         checkpoint = self.checkpoint_dir / f"steps_{n_iterations}"
         if n_iterations > self.start_iteration and not self.dist.broadcast_object(checkpoint.exists()):  # rank 0's view
             self.save(n_iterations)
-        best = self._evaluate_best()
+        best = keep_best.evaluate_best(self)
         self.writer.close()
         summary = {
             "accuracy_before": before["accuracy"],
@@ -466,109 +344,12 @@ class Runner:
         }
         if calls_before or calls_after:  # an orchestrated team: whom the orchestrator called in the evaluations
             summary.update(orchestrator_calls_before=calls_before, orchestrator_calls_after=calls_after)
-        self._print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)")
+        self.log.print(f"held-out accuracy after training: {after['accuracy']:.3f} ({after['episodes']} episodes)")
         if best["best_checkpoint"]:
             heldout = best["best_heldout_accuracy"]
-            self._print(f"best: iteration {best['best_iteration']} (moving training accuracy {best['best_moving_train_accuracy']:.3f}"
+            self.log.print(f"best: iteration {best['best_iteration']} (moving training accuracy {best['best_moving_train_accuracy']:.3f}"
                         + (f", held-out {heldout:.3f}" if heldout is not None else "") + f"), kept in {best['best_checkpoint']}"
                         + (f"; {best['rollbacks']} rollback(s)" if best["rollbacks"] else ""))
         if self.dist.is_main:
-            self._write_file(self.run_dir / "summary.json", json.dumps(summary, indent=2))
+            self.log.write_file(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
-
-    def _evaluate_best(self) -> dict:
-        """The best tracker's figures for the summary. The best checkpoint's held-out accuracy, when no evaluation
-        measured it yet, is measured now on the evaluation's episodes; the team then gets its final weights back."""
-        best_dir = self.checkpoint_dir / BEST
-        has_best = self.best.best.iteration > 0 and self.dist.broadcast_object(best_dir.exists())
-        if has_best and self.best.best.heldout_accuracy is None:
-            final = self._trainable_weights()
-            load_checkpoint(best_dir, self.team, self.trainer, rollback=True, load_optimizers=False)
-            result = self.evaluate()
-            self._set_weights(final)  # the team leaves the run with its final policy
-            self.best.best.heldout_accuracy = result["accuracy"]
-            self.writer.add_scalar("eval/best_accuracy", result["accuracy"], self.best.best.iteration)
-        return {**self.best.summary(), "best_checkpoint": str(best_dir) if has_best else None,
-                "stopped_by_collapse": self.stopped_by_collapse}
-
-    def _trainable_weights(self) -> dict[str, torch.Tensor]:
-        """Copies of every adapter weight and the value head (what a rollback or the best's evaluation replaces)."""
-        weights = {f"model.{name}": p.detach().clone() for name, p in self.team.model.named_parameters() if "lora_" in name}
-        if self.team.has_critic:
-            weights.update({f"value_head.{k}": v.detach().clone() for k, v in value_head_state(self.team).items()})
-        return weights
-
-    def _set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        params = dict(self.team.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                if name.startswith("model."):
-                    params[name[len("model."):]].copy_(tensor)
-        if self.team.has_critic:
-            load_value_head_state(self.team, {k[len("value_head."):]: v for k, v in weights.items() if k.startswith("value_head.")})
-
-    def _print(self, text: str) -> None:
-        if self.dist.is_main:
-            print(text, flush=True)
-
-    SUMMED_OVER_PROCESSES = ("charts/rollout_tokens_per_s", "counters/reward_failures")
-    """Logged figures that add up over processes; those named ``..._max`` take the largest, the others are averaged
-    (the trainer's counters, the env steps and the losses of the shared weights are the same on every process)."""
-
-    def _over_processes(self, values: dict[str, float]) -> dict[str, float]:
-        """One process: ``values`` as they are. Several: each key summed (:attr:`SUMMED_OVER_PROCESSES`) or
-        averaged over the processes that have a finite value for it (one gather of every process's dict)."""
-        if not self.dist.enabled:
-            return values
-        shares = self.dist.gather_objects({k: float(v) for k, v in values.items()})
-        out = {}
-        for key in dict.fromkeys(k for share in shares for k in share):
-            finite = [share[key] for share in shares if key in share and np.isfinite(share[key])]
-            if finite:
-                if key in self.SUMMED_OVER_PROCESSES:
-                    out[key] = float(np.sum(finite))
-                elif key.endswith("_max"):  # a largest value (e.g. rollout/engine_logprob_gap_max) is the largest anywhere
-                    out[key] = float(np.max(finite))
-                else:
-                    out[key] = float(np.mean(finite))
-        return out
-
-    def _log_eval(self, result: dict, step: int) -> None:
-        self.writer.add_scalar("eval/accuracy", result["accuracy"], step)
-        self.writer.add_scalar("eval/return", result["return"], step)
-        for key, value in self.diagnostics.evaluation_stats().items():
-            self.writer.add_scalar(key, value, step)
-        if self.dist.is_main and self.last_transcripts:
-            path = self.run_dir / "transcripts" / f"eval_{step}.jsonl"
-            try:
-                text = write_transcripts(path, self.last_transcripts)
-            except OSError as error:
-                self._write_failed(str(path), error)
-                return
-            self.writer.add_text("eval/transcripts", text, step)
-
-
-class _NullWriter:
-    """Stands in for TensorBoard's ``SummaryWriter`` on the processes other than rank 0."""
-
-    def add_scalar(self, *args, **kwargs) -> None:
-        pass
-
-    def add_text(self, *args, **kwargs) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _loss_tags(metrics: dict[str, float]) -> dict[str, float]:
-    """``agent_<role>/policy_loss`` → ``losses/agent_<role>/policy_loss``; NaN entries dropped."""
-    return {f"losses/{k}": v for k, v in metrics.items() if v == v}
-
-
-def _markdown_table(config: dict) -> str:
-    rows = [f"|{section}.{name}|{value}|" for section, fields in config.items() for name, value in fields.items()]
-    return "|param|value|\n|-|-|\n" + "\n".join(rows)
