@@ -3,7 +3,7 @@
     python scripts/selfplay_benchmark.py --seed 0
     python scripts/selfplay_benchmark.py --seed 0 --invalid_move_penalty 1 --lr_warmup_iterations 10
 
-Runs the self-play recipe of docs/games.md as its commands (each in its own process, exactly as a user types them):
+Runs the self-play recipe of docs/selfplay.md as its commands (each in its own process, exactly as a user types them):
 
 1. ``marft sft``: the warm start on random legal play from each seat's view (``--sft_steps``, ``--n_demonstrations``);
 2. ``marft eval --versus_random``: each agent of the warm start against the random-legal-move player (it plays the
@@ -29,7 +29,7 @@ from pathlib import Path
 
 SELF_PLAY_FLAGS = ("--profile_path game_seats --algorithm_name GRPO --credit_assignment per_step --group_size 4 --horizon 10 "
                    "--episode_length 10 --max_new_tokens 4 --context_window 1024 --lora_target_modules all-linear,lm_head")
-"""The flags both commands share (docs/games.md's ``$SELF_PLAY`` less ``--env_name``): one agent per seat, GRPO over
+"""The flags both commands share (docs/selfplay.md's ``$SELF_PLAY`` less ``--env_name``): one agent per seat, GRPO over
 groups of 4 games, each agent paid its own seat's reward."""
 
 ROLES = ("Player A", "Player B")

@@ -11,7 +11,7 @@ maximises the probability of winning against it (expectimax over the opponent's 
 demonstrations are that best player's moves (one of the best at random where several tie) in the games it plays
 against the env's own random opponent, each prompted exactly as training prompts that move (rows for ``marft sft
 --sft_data``): a warm start that shows the model the answer. What a model reaches when imitating them bounds what it
-can represent of the game (docs/games.md: "Is the model too small?").
+can represent of the game (docs/results/tictactoe-notes.md: "Is the model too small?").
 
 ``--grade CHECKPOINT`` scores a trained player position by position: on the positions the best player meets in fresh
 games against the random player (``--grade_seed``, ``--positions``), how often the checkpoint's most likely move is one

@@ -28,7 +28,7 @@ def test_the_steps_are_the_guides_commands_with_the_training_flags_on_marft_trai
     # each agent is evaluated with the random player in the other agent's seat
     assert steps["before_a"][steps["before_a"].index("--versus_random") + 1] == "Player B"
     assert steps["after_b"][steps["after_b"].index("--versus_random") + 1] == "Player A"
-    guide = (ROOT / "docs" / "games.md").read_text()
+    guide = (ROOT / "docs" / "selfplay.md").read_text()
     assert " ".join(selfplay_benchmark.SELF_PLAY_FLAGS.split()) in " ".join(guide.replace("\\\n", " ").split()), \
         "the script's self-play flags are the guide's $SELF_PLAY"
 

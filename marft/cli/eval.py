@@ -27,7 +27,7 @@ def build_parser():
     p.add_argument("--n_eval_threads", type=int, help="episodes played at once (default: the run's)")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: the run's)")
     p.add_argument("--generation_backend", choices=list(GENERATION_BACKENDS),
-                   help="what samples the replies (default: the run's; vllm needs vLLM installed, see docs/scaling.md)")
+                   help="what samples the replies (default: the run's; vllm needs vLLM installed, see docs/vllm.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--versus_random", metavar="ROLE", help="self-play games: the random-legal-move player moves for ROLE; "
                    "the game figures are the other role's against it")
