@@ -293,6 +293,8 @@ class RunnerConfig:
     """How far (absolute accuracy) the moving training accuracy must fall below its best to count as a collapse."""
     rollback_lr_factor: float = 0.5
     """--on_collapse rollback: the learning rates (--lr, --critic_lr) are multiplied by this at each rollback, for the rest of the run."""
+    anchor_best_at: Optional[float] = None
+    """Once the moving training accuracy reaches this (0-1), each new best policy becomes the KL reference of its adapter (--kl_reference initial, or a warm start): the KL penalty then anchors the policy at the best it reached instead of pulling it back toward where training started (counted as counters/reference_refreshes). None: the reference stays where it started (rollbacks still refresh it)."""
     continue_on_save_error: bool = False
     """When a checkpoint cannot be written (disk full, quota, any write error): warn and train on (default: stop cleanly, exit code 74); the partial folder is removed either way."""
     dist_timeout_s: float = 300.0

@@ -89,7 +89,7 @@ RULES: dict[str, Range] = {
     "save_interval": NON_NEGATIVE, "save_every_minutes": NON_NEGATIVE, "log_interval": NON_NEGATIVE,
     "eval_interval": NON_NEGATIVE, "eval_episodes": AT_LEAST_1, "n_eval_threads": AT_LEAST_1, "keep_checkpoints": NON_NEGATIVE,
     "dist_timeout_s": POSITIVE, "collapse_window": AT_LEAST_1, "collapse_drop": Range(0, 1, low_open=True),
-    "rollback_lr_factor": Range(0, 1, low_open=True),
+    "rollback_lr_factor": Range(0, 1, low_open=True), "anchor_best_at": Range(0, 1),
     # sft (marft.sft.SFTConfig)
     "n_demonstrations": AT_LEAST_1, "recovery_share": UNIT, "sft_steps": AT_LEAST_1, "sft_batch_size": AT_LEAST_1, "sft_lr": POSITIVE,
 }

@@ -158,6 +158,29 @@ def test_rollback_restores_the_best_policy_refreshes_the_reference_and_lowers_th
     assert sum("collapse after iteration 7" in r.message and "rolled back" in r.message for r in caplog.records) == 1
 
 
+def test_anchor_best_at_makes_each_good_enough_best_the_kl_reference(random_model_dir, tmp_path, monkeypatch):
+    """``--anchor_best_at 0.9``: the bests at iterations 4 and 5 (moving 0.95, 1.0; not those at 0.3 and 0.7) become
+    the KL references, saved with them; the references stay so through the collapse after (no new best)."""
+    scripted_accuracy(monkeypatch, RISE_AND_FALL)
+    run = tmp_path / "run"
+    assert main(run_flags(random_model_dir, run, "--on_collapse", "warn", "--anchor_best_at", "0.9")) == 0
+    best, final = run / "checkpoints" / "best", run / "checkpoints" / f"steps_{STREAM_LENGTH}"
+    assert torch.load(final / "optimizers.pt", weights_only=True)["counters"]["reference_refreshes"] == 2
+    adapters = [d.name.removeprefix("ref_") for d in best.iterdir() if d.name.startswith("ref_")]
+    assert sorted(adapters) == ["actor", "reasoner"]  # the policies' references (the critic has none)
+    for adapter in adapters:
+        policy = load_file(best / adapter / "adapter_model.safetensors")
+        for checkpoint in (best, final):
+            reference = load_file(checkpoint / f"ref_{adapter}" / "adapter_model.safetensors")
+            assert len(reference) == len(policy) > 2
+            for (_, ref_tensor), (_, tensor) in zip(sorted(reference.items()), sorted(policy.items())):
+                torch.testing.assert_close(ref_tensor, tensor, rtol=0, atol=0)
+    plain = tmp_path / "plain"  # without the flag the reference is the start's: not the best policy
+    assert main(run_flags(random_model_dir, plain, "--on_collapse", "warn")) == 0
+    counters = torch.load(plain / "checkpoints" / f"steps_{STREAM_LENGTH}" / "optimizers.pt", weights_only=True)["counters"]
+    assert "reference_refreshes" not in counters
+
+
 def test_warn_goes_on_and_stop_ends_the_run_with_a_checkpoint(random_model_dir, tmp_path, monkeypatch, caplog):
     scripted_accuracy(monkeypatch, RISE_AND_FALL)
     with caplog.at_level(logging.WARNING, logger="marft.runner.shared"):

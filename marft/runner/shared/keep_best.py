@@ -21,6 +21,7 @@ def keep_best(runner, iteration: int, accuracy: float) -> None:
     if judgement.moving_accuracy == judgement.moving_accuracy:
         writer.add_scalar("charts/moving_accuracy", judgement.moving_accuracy, iteration + 1)
     if judgement.new_best:
+        anchor_at_best(runner, iteration)
         runner.save(iteration + 1, name=BEST)
         writer.add_scalar("charts/best_moving_accuracy", runner.best.best.moving_accuracy, iteration + 1)
     if not judgement.collapsed:
@@ -37,6 +38,20 @@ def keep_best(runner, iteration: int, accuracy: float) -> None:
         runner.stopped_by_collapse = True
     else:
         runner.roll_back(iteration, message)
+
+
+def anchor_at_best(runner, iteration: int) -> None:
+    """``--anchor_best_at``: at a new best whose moving accuracy reaches it, each KL reference becomes its policy
+    adapter as it is now (the best), counted (``counters/reference_refreshes``). Nothing without frozen references
+    (``--kl_reference base``, ``--kl_coef 0``)."""
+    threshold, team = runner.config.runner.anchor_best_at, runner.team
+    if threshold is None or not team.reference_adapters or runner.best.best.moving_accuracy < threshold:
+        return
+    for adapter, reference in team.reference_adapters.items():
+        team.bank.copy_weights(adapter, reference)
+    counters = runner.trainer.counters
+    counters["reference_refreshes"] = counters.get("reference_refreshes", 0) + 1
+    runner.writer.add_scalar("counters/reference_refreshes", counters["reference_refreshes"], iteration + 1)
 
 
 def roll_back(runner, iteration: int, message: str) -> None:
