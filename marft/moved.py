@@ -15,6 +15,8 @@ MOVED: dict[str, str] = {
     "marft.envs.cooperative": "marft.envs.relay_sum.env",
     "marft.envs.textarena_env": "marft.envs.textarena.env",
     "marft.envs.pettingzoo_env": "marft.envs.pettingzoo.env",
+    "marft.envs.code.sandbox": "marft.sandbox",
+    "marft.envs.code.harness": "marft.sandbox.harness",
 }
 """Old module path -> where it lives now (issue 75: the layout the specification names)."""
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from marft.envs.code import run_tests  # noqa: E402
 from marft.envs.code.data import load_humaneval  # noqa: E402
-from marft.envs.code.sandbox import HarnessRun, SandboxLimits, sandbox_python  # noqa: E402
+from marft.sandbox import HarnessRun, SandboxLimits, sandbox_python  # noqa: E402
 
 RESULTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "code_sandbox.json"
 

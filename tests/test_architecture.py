@@ -3,6 +3,7 @@
 The layers, lowest first (a module may import its own layer and the layers below it):
 
 * leaf — names of choices, errors, the text format, validation rules, process groups, turn records
+* sandbox — running untrusted programs: the grader's side, and the harness it starts (standard library only)
 * config — the run's dataclasses and flags
 * envs — environments, workflows, profiles, datasets and graders
 * agents — the team: adapters, prompts, role headers, generation, critic
@@ -32,6 +33,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "marft"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("leaf", ("marft.choices", "marft.faults", "marft.prompting", "marft.validation", "marft.distributed", "marft.types",
               "marft.moved")),
+    ("sandbox", ("marft.sandbox",)),
     ("config", ("marft.config",)),
     ("envs", ("marft.envs",)),
     ("agents", ("marft.agents",)),
@@ -176,6 +178,34 @@ def test_moved_modules_import_from_their_old_paths_with_a_warning():
     for old, new in MOVED.items():
         same, messages = seen[old]
         assert same and messages == [f"{old} moved to {new}; the old path goes in the next release"], (old, messages)
+
+
+HARNESS = PACKAGE / "sandbox" / "harness"
+
+
+def test_the_harness_imports_only_the_standard_library_and_itself():
+    """The harness runs as ``python3 -I -S <folder>``: an import of anything but the standard library would fail
+    there, and ``marft`` (whose ``__init__`` is not standard library) must never be imported by the trusted driver.
+    Its modules import their siblings relatively, at their top (the folder is out of the candidate's sight once its
+    sandbox is built), and only ``__main__.py`` names the package ``harness`` it imports them as."""
+    outside = []
+    for path in sorted(HARNESS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        top_level = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                if node.level != 1 or id(node) not in top_level:
+                    outside.append(f"{path.name}:{node.lineno} a relative import not of a sibling at the module's top")
+                continue
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and not (path.name == "__main__.py" and top == "harness"):
+                    outside.append(f"{path.name}:{node.lineno} imports {name}")
+    assert not outside, "the harness imports outside the standard library and itself:\n" + "\n".join(outside)
+    assert "harness" not in sys.stdlib_module_names  # it is imported as ``harness`` from the end of ``sys.path``
+    assert {p.name for p in HARNESS.glob("*.py")} >= {"__init__.py", "__main__.py", "driver.py"}
 
 
 def test_importing_the_config_loads_no_torch():

@@ -364,7 +364,7 @@ def test_tracing_another_process_is_denied(contained):
 
 def test_the_grader_takes_each_verdict_once_in_order_and_type_checked():
     """Events reach the grader only from the driver; still, anything out of order or mistyped fails the program."""
-    from marft.envs.code.sandbox import HarnessRun
+    from marft.sandbox import HarnessRun
 
     def feed(*lines):
         run = HarnessRun({"kind": "stdin", "program": "", "entry_point": None}, {"cases": [{"input": "", "output": ""}] * 2},

@@ -13,8 +13,9 @@ import time
 import pytest
 from test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401 - the fixture
 
-from marft.envs.code import run_tests, sandbox
+from marft.envs.code import run_tests
 from marft.envs.code.compare import outputs_match, tokens_match, values_equal
+from marft.sandbox import runner
 
 needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")
 ADD_CALLS = [{"call": "add(1, 2)", "expected": "3"}, {"call": "add(5, 5)", "expected": "10"}]
@@ -65,7 +66,7 @@ def high_event_pipe(monkeypatch):
         placed.append(high)
         return read_fd, high
 
-    monkeypatch.setattr(sandbox, "event_pipe", pipe)
+    monkeypatch.setattr(runner, "event_pipe", pipe)
     yield placed
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
@@ -83,8 +84,8 @@ def test_an_event_pipe_above_65536_never_reaches_the_candidate(high_event_pipe, 
 def test_a_malformed_event_stream_fails_every_test_of_the_run():
     """An earlier "passed" is not kept once the stream turns out forged (the driver's own "done" then arrives
     out of order)."""
-    run = sandbox.HarnessRun({"kind": "stdin", "program": "", "entry_point": None}, {"cases": [{"input": "", "output": ""}] * 2},
-                             FAST, deadline=0.0)
+    run = runner.HarnessRun({"kind": "stdin", "program": "", "entry_point": None}, {"cases": [{"input": "", "output": ""}] * 2},
+                            FAST, deadline=0.0)
     run._take(b'{"event": "start", "i": 0}\n{"event": "done", "i": 0, "status": "passed", "error": "", "seconds": 0.1}\n')
     assert run.result.statuses == {0: "passed"}  # control: a good verdict is taken
     run._take(b'{"event": "done", "i": 0, "status": "failed", "error": "", "seconds": 0.1}\n')
@@ -216,7 +217,7 @@ def test_check_calls_the_candidate_alike_whether_its_answers_are_right_or_not(na
     """The driver called the candidate again only when the previous assertion had passed: a run learned which of
     its answers were right (a wrong program passed HumanEval/0 on its 4th-5th try). Now every assertion runs, an
     exception in one included, and the calls are the same whatever the answers."""
-    from marft.envs.code.harness import run_check
+    from marft.sandbox.harness.driver import run_check
 
     driver = RecordingDriver(answer)
     outcome = run_check(driver, {"code": CHECK_THREE, "prompt": ""}, time.monotonic() + 30)
@@ -234,7 +235,7 @@ def test_test_code_that_raises_on_an_answer_fails_the_test_and_later_asserts_sti
 
 
 def test_every_assert_runs_leaves_other_code_alone():
-    from marft.envs.code.harness import every_assert_runs
+    from marft.sandbox.harness.driver import every_assert_runs
 
     recorded = []
     namespace = {"__marft_record__": lambda ok: recorded.append(bool(ok)), "__marft_pass_through__": (KeyboardInterrupt,)}
@@ -280,13 +281,13 @@ class ScriptedDriver:
 def test_answers_are_compared_only_after_the_candidate_has_ended(monkeypatch):
     """Comparing an answer took longer when it was right (a short-circuit at the first wrong element or token: ms
     for a long output), before the next request: a timing oracle inside the run. Verdicts now come after it."""
-    from marft.envs.code import harness
+    from marft.sandbox.harness import driver
 
     order, events = [], []
-    monkeypatch.setattr(harness, "values_equal", lambda actual, expected: order.append("compare") or actual == expected)
+    monkeypatch.setattr(driver, "values_equal", lambda actual, expected: order.append("compare") or actual == expected)
     reporter = type("Reporter", (), {"send": lambda self, **event: events.append(event)})()
     cases = [{"call": "f()", "expected": expected, "size": 1} for expected in (3, 4, 3)]
-    harness.run_tests(ScriptedDriver(order), {"cases": cases}, reporter)
+    driver.run_tests(ScriptedDriver(order), {"cases": cases}, reporter)
     assert order == ["answer"] * 3 + ["close"] + ["compare"] * 3
     assert [e["event"] for e in events] == ["alive"] * 3 + ["start", "done"] * 3
     assert [e["status"] for e in events if e["event"] == "done"] == ["passed", "failed", "passed"]

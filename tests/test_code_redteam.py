@@ -13,7 +13,7 @@ from test_code_hostile import FAST, ROOT, contained, hostile  # noqa: F401 - the
 
 from marft.envs.code import SandboxLimits
 from marft.envs.code.compare import values_equal
-from marft.envs.code.harness import MAX_INT_DIGITS, from_json
+from marft.sandbox.harness.wire import MAX_INT_DIGITS, from_json
 
 needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (namespaces, cgroups, uid drop) needs root")
 
@@ -165,7 +165,7 @@ def test_a_program_uses_one_core_however_many_processes_it_starts(contained):
 @needs_root
 def test_the_cpu_quota_is_set_on_the_slots_cgroup():
     """Where the cgroup cpu controller exists, a slot's cgroups carry ``SandboxLimits.cpus`` as a quota."""
-    from marft.envs.code.sandbox import CPU_PERIOD_US, Slot
+    from marft.sandbox.slots import CPU_PERIOD_US, Slot
 
     with Slot() as slot:
         if slot.cgroups is None or not slot.cgroups.available:
@@ -275,7 +275,7 @@ def test_with_debug_logging_the_program_cannot_write_into_the_graders_log(contai
     after the run) open at fd 10 while the program ran: program text reached the trainer's log."""
     import logging
 
-    caplog.set_level(logging.DEBUG, logger="marft.envs.code.sandbox")
+    caplog.set_level(logging.DEBUG, logger="marft.sandbox.runner")
     program = ("import os\n"
                "for fd in range(5, 64):\n"
                "    try:\n"

@@ -11,7 +11,7 @@ import pytest
 
 from marft.envs.code import SandboxLimits, run_tests
 from marft.envs.code.compare import outputs_match, parse_literal, values_equal
-from marft.envs.code.sandbox import MAX_SLOTS, SLOT_UID_BASE, Isolation, is_dead, process_statuses, sandbox_python
+from marft.sandbox import MAX_SLOTS, SLOT_UID_BASE, Isolation, is_dead, process_statuses, sandbox_python
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="the full sandbox (uid drop, namespaces) needs root")
@@ -119,6 +119,24 @@ def test_syntax_error_and_crash_in_one_test_only():
     program = "import os\na, b = map(int, input().split())\nif a == 10: os._exit(0)\nprint(a + b)\n"
     report = run_tests(program, ADD)
     assert report.statuses == ("passed", "error", "passed")  # a fresh candidate took over after test 1
+
+
+def test_the_harness_imports_nothing_outside_the_standard_library_and_itself():
+    """The driver runs as ``python3 -I -S <the harness folder>``: nothing outside the standard library and the harness
+    (``marft`` least of all) is imported there, and no path of marft's is left on ``sys.path`` for the program. The
+    first candidate is forked from the driver (its modules are the driver's), the one after test 2 is a fresh
+    interpreter (``exec``) of the harness."""
+    import marft.sandbox
+
+    program = ("import sys\n"
+               "if input() == 'end':\n"
+               "    import os\n"
+               "    os._exit(0)\n"
+               "foreign = {m.split('.')[0] for m in sys.modules} - set(sys.stdlib_module_names) - {'__main__', 'harness'}\n"
+               f"print(sorted(foreign), [p for p in sys.path if p.startswith({os.path.dirname(marft.sandbox.__path__[0])!r})],"
+               " 'harness.driver' in sys.modules)\n")
+    tests = [{"input": "check", "output": "[] [] True"}, {"input": "end", "output": ""}, {"input": "check", "output": "[] [] True"}]
+    assert run_tests(program, tests).statuses == ("passed", "error", "passed")
 
 
 def test_the_sandbox_reports_full_isolation_as_root(caplog):
@@ -292,7 +310,7 @@ def test_limits_are_checked():
 def test_a_dead_process_still_counted_raises_the_cap_by_as_many(tmp_path):
     # A zombie left in the slot's pids cgroup (its driver killed, the host's init not yet reaping) cannot run: the
     # next program still gets its full process cap.
-    from marft.envs.code.sandbox import Cgroups
+    from marft.sandbox.slots import Cgroups
 
     memory, pids = tmp_path / "memory", tmp_path / "pids"
     memory.mkdir()

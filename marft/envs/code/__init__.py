@@ -8,6 +8,6 @@
 from marft.envs.code.env import CodeEnv
 from marft.envs.code.grading import grade_many, grading_pool, run_tests, submit_tests
 from marft.envs.code.report import STATUSES, TestReport
-from marft.envs.code.sandbox import Isolation, SandboxLimits
+from marft.sandbox import Isolation, SandboxLimits
 
 __all__ = ["CodeEnv", "STATUSES", "Isolation", "SandboxLimits", "TestReport", "grade_many", "grading_pool", "run_tests", "submit_tests"]

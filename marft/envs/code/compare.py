@@ -6,7 +6,7 @@
   the driver with the plain value the program returned: structurally, lists and tuples alike,
   integers exactly, floats within the tolerance.
 
-The comparisons themselves live in ``harness.py`` (standard library only), where the driver uses them.
+The comparisons themselves live in ``marft.sandbox.harness.compare`` (standard library only), where the driver uses them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import math
 
-from marft.envs.code.harness import ABS_TOL, REL_TOL, outputs_match, tokens_match, values_equal  # noqa: F401 - the driver's comparisons
+from marft.sandbox.harness.compare import ABS_TOL, REL_TOL, outputs_match, tokens_match, values_equal  # noqa: F401 - the driver's comparisons
 
 _SPECIAL_NAMES = {"nan": math.nan, "inf": math.inf, "True": True, "False": False, "None": None}
 

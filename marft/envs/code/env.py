@@ -27,8 +27,8 @@ from marft.envs.code.generated import GENERATED
 from marft.envs.code.grading import run_tests, submit_tests
 from marft.envs.code.problem import CodeProblem, last_python_block
 from marft.envs.code.report import TestReport
-from marft.envs.code.sandbox import SandboxLimits
 from marft.envs.profile import AgentSpec, answer_agent_index, team_profile
+from marft.sandbox import SandboxLimits
 
 logger = logging.getLogger(__name__)
 

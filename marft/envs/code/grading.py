@@ -6,7 +6,7 @@ starting Python costs ~20 ms against well under a millisecond per test in a runn
 test kills the candidate (``os._exit``, a signal, its time limit) the remaining tests go on in a
 fresh one.
 
-Verdicts belong to the trusted **driver** (``harness.py``), a process the program cannot reach:
+Verdicts belong to the trusted **driver** (``marft.sandbox.harness``), a process the program cannot reach:
 it holds the expected outputs and HumanEval's test code, sends the candidate one request at a
 time, bounds each answer's size before decoding it, compares it (integers exactly) and reports
 one verdict per test. Here each verdict is accepted once, in order and type-checked; a malformed
@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from marft.envs.code.compare import parse_literal
 from marft.envs.code.report import TestReport, Tests
-from marft.envs.code.sandbox import HarnessRun, SandboxLimits
+from marft.sandbox import HarnessRun, SandboxLimits
 
 DEFAULT_LIMITS = SandboxLimits()
 
