@@ -2,7 +2,7 @@
 """Write docs/results/benchmarks.md from the recorded results (``benchmarks/results/<suite>.json``, written by
 ``scripts/benchmark_suite.py``) and the suites' descriptions (``benchmarks/suites.yaml``): never by hand.
 Each table names its machine, commit, date and calibration reading once; every row carries its command.
-``tests/test_docs.py`` fails when the committed page differs from what this prints.
+``tests/integration/test_docs.py`` fails when the committed page differs from what this prints.
 
     python scripts/render_benchmarks.py          # rewrites docs/results/benchmarks.md
     python scripts/render_benchmarks.py --check  # exit 1 if the page is out of date

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Write docs/configuration.md from the config dataclasses (their field docstrings, types, defaults, allowed
 values and rules): the reference of every flag of ``marft train`` (and ``scripts/train_math.sh``), never copied
-by hand. ``tests/test_docs.py`` fails when the committed page differs from what this prints.
+by hand. ``tests/integration/test_docs.py`` fails when the committed page differs from what this prints.
 
     python scripts/render_config_reference.py          # rewrites docs/configuration.md
     python scripts/render_config_reference.py --check  # exit 1 if the page is out of date

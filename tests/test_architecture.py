@@ -274,3 +274,12 @@ def test_every_implementation_table_has_exactly_the_choice_names():
     assert set(NORMALIZERS) == set(choices.NORMALIZATION_MODES)
     assert all(trainer_class(name) for name in choices.TRAINERS)
     assert set(choices.KL_COEF_DEFAULTS) == set(choices.TRAINERS)  # every trainer has its KL weight
+
+
+def test_the_tests_mirror_the_package():
+    """``tests/<folder>/`` holds the unit tests of ``marft/<folder>/`` (``cli`` for the entry points, ``models`` for the
+    embedded models), ``tests/integration/`` the end-to-end and slow runs; only this file and helpers stay at the top."""
+    tests = Path(__file__).resolve().parent
+    folders = {folder.name for folder in tests.iterdir() if folder.is_dir() and any(folder.glob("test_*.py"))}
+    assert folders - {"integration"} <= {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}, folders
+    assert [p.name for p in tests.glob("test_*.py")] == ["test_architecture.py"]

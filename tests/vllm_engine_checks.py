@@ -1,5 +1,5 @@
 """``--generation_backend vllm`` against the trainer, on the CPU build of vLLM (run in the environment that has it:
-``.venv-vllm/bin/python -m pytest tests/vllm_engine_checks.py``; ``tests/test_vllm_backend.py`` runs it from the
+``.venv-vllm/bin/python -m pytest tests/vllm_engine_checks.py``; ``tests/agents/test_vllm_backend.py`` runs it from the
 main suite). One engine for the module (an engine per process)."""
 
 import dataclasses

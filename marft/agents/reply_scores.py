@@ -13,7 +13,7 @@ more output-layer product per chunk in the backward.
 
 Each row's values are those of the one-pass computation to float rounding (row-wise operations; only the
 matrix product's blocking may differ with the number of rows), and a batch within the budget takes the
-one-pass path itself, so small models compute exactly what they did (``tests/test_reply_scores.py``).
+one-pass path itself, so small models compute exactly what they did (``tests/agents/test_reply_scores.py``).
 """
 
 from __future__ import annotations

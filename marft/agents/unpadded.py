@@ -6,7 +6,7 @@ for every pad in every matrix product. Here the pads are dropped once after the 
 zeros) only around each layer's attention, which needs rows; the matrix products, the bulk of the work, cost
 what the real tokens cost. The modules themselves are called (the LoRA layers with their active adapter and
 dropout, the norms, the MLP), so the result equals the padded forward's to float32 rounding, gradients
-included (``tests/test_unpadded.py``).
+included (``tests/agents/test_unpadded.py``).
 
 Supported: decoder-only models of the Llama family whose layers read ``input_layernorm → self_attn (q/k/v/o
 projections, rotary positions, optional q/k norms) → post_attention_layernorm → mlp`` (Qwen2, Qwen2.5, Qwen3,

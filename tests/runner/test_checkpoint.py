@@ -27,7 +27,7 @@ from marft.faults import CheckpointError
 from marft.launch import main
 from marft.runner.shared.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 E = 2  # n_rollout_threads; one team step per iteration, so num_env_steps = E * iterations
 N = 2  # iterations before the stop
 
@@ -81,7 +81,7 @@ def test_resume_is_exact_with_per_agent_critics_and_a_reference_kl(random_model_
 
 def check_resume_is_exact(random_model_dir, tmp_path, extra):
     """The stopped run is a run of N iterations extended to 2N: constant learning rates, so that its first N steps
-    are those of the 2N run (a linear decay over N would end at 0; tests/test_lr_schedule.py resumes one mid-decay)."""
+    are those of the 2N run (a linear decay over N would end at 0; tests/algorithms/test_lr_schedule.py resumes one mid-decay)."""
     extra = (*extra, "--lr_schedule", "constant")
     one_go, stopped = tmp_path / "one_go", tmp_path / "stopped"
     assert main(flags(random_model_dir, 2 * N, one_go, *extra)) == 0

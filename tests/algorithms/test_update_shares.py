@@ -1,5 +1,5 @@
 """The update loop with uneven shares of turns (issue 30, items 2 and 6; the 2-process part of item 3 is in
-``tests/test_distributed.py``).
+``tests/runner/test_distributed.py``).
 
 * An adapter with no turns in the batch (an agent the orchestrator never called) is not updated: no optimizer
   step, so neither its weights nor its optimizer state (AdamW's momentum would move it on a zero gradient) change;

@@ -257,7 +257,7 @@ def test_training_on_a_game_resumes_mid_game_exactly(random_model_dir, tmp_path)
 def test_the_games_page_example_runs():
     from pathlib import Path
 
-    page = Path(__file__).resolve().parents[1] / "docs" / "games.md"
+    page = Path(__file__).resolve().parents[2] / "docs" / "games.md"
     from test_user_env import python_blocks
 
     [block] = python_blocks(page)

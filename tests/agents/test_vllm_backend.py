@@ -16,7 +16,7 @@ from marft.algorithms.losses import clipped_policy_loss, rollout_correction_weig
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.types import EngineGap, TurnOutput
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 
 

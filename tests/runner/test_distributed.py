@@ -28,7 +28,7 @@ import marft.envs
 from marft.launch import main
 from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist_worker.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -240,7 +240,7 @@ def find_checkpoint_or_none(run: Path, at_least: int):
 
 # ---------------------------------------------------------------------- it learns with 2 processes
 ITERATIONS, N_ENVS, EPISODE_LENGTH, WINDOW, MARGIN = 48, 16, 2, 8, 0.3
-"""As ``tests/test_learning.py`` (one process): the same total envs and iterations, split over 2 processes."""
+"""As ``tests/integration/test_learning.py`` (one process): the same total envs and iterations, split over 2 processes."""
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from marft.config import CHOICES, AlgoConfig, ModelConfig, TrainConfig, build_pa
 from marft.envs.profile import AgentSpec
 from marft.models.loading import load_base_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

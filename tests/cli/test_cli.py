@@ -16,7 +16,7 @@ from marft.config import parse_config
 from marft.launch import main as train_main
 from marft.trained.evaluate import pass_at_k
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------- pass@k

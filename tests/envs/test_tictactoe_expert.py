@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("tictactoe_expert", ROOT / "scripts" / "tictactoe_expert.py")
 expert = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(expert)

@@ -11,7 +11,7 @@ import pytest
 import marft.models.loading
 from marft.launch import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

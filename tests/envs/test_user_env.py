@@ -15,7 +15,7 @@ from marft.envs import StepOutcome
 from marft.envs.relay_sum.env import RelaySumEnv
 from marft.launch import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

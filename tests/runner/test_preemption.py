@@ -39,7 +39,7 @@ from marft.launch import main
 from marft.runner.shared.checkpoint import find_checkpoint
 from marft.runner.shared.preemption import Preemption
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 E, T = 2, 2  # envs, team steps per iteration
 ITERATIONS = 4
 

@@ -15,7 +15,7 @@ from marft.envs.math import grade_answer, grade_answers, grader_stats, load_prob
 from marft.envs.math import grader as grader_module
 from marft.envs.math.grader import MathGrader, last_boxed, normalize_reference
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from marft.config import CHOICES, SECTIONS, build_parser, field_docs
 from marft.sft import SFTConfig
 from marft.validation import RULES, _base_type, check_device, numeric_fields
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ALL_SECTIONS = {**SECTIONS, "sft": SFTConfig}
 
 INVALID_NUMBERS = ["nan", "inf", "-inf", "-1", "0", "1e300", "1" + "0" * 30, "abc", "1.5", ""]

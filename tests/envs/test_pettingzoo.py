@@ -16,7 +16,7 @@ from pettingzoo.test import api_test, parallel_api_test  # noqa: E402
 from marft.envs import load_profile, make  # noqa: E402
 from marft.envs.pettingzoo.env import PETTINGZOO_MISSING, TextSpace, aec_env, parallel_env  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SHIPPED = {
     "math (arithmetic)": ("math", {"dataset_path": "arithmetic", "split": "test"}),

@@ -14,7 +14,7 @@ from marft.envs.base import CustomEnv, EpisodeState
 from marft.launch import main
 from marft.runner.shared.checkpoint import read_trainer_state
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "custom-env.md"
 
 pytestmark = pytest.mark.usefixtures("one_thread")

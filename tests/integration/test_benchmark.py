@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--n_rollout_threads", "2", "--episode_length", "1", "--max_new_tokens", "4", "--context_window", "128", "--ppo_epoch", "1"]
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "memory_phases.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "memory_phases.py"
 
 
 @pytest.mark.slow

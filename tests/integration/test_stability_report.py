@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("stability_report", ROOT / "scripts" / "stability_report.py")
 report = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(report)
