@@ -197,7 +197,7 @@ def before_shutdown(callback) -> None:
 def shutdown_distributed() -> None:
     """Destroy the process group, if one is up (idempotent). A process that exits with its gloo group alive can
     die in ``std::terminate`` (SIGABRT) while the interpreter tears down (pytorch#190489), so
-    :func:`marft.launch.main` calls this when training ends and :func:`init_distributed` registers it at exit.
+    :func:`marft.cli.train.main` calls this when training ends and :func:`init_distributed` registers it at exit.
     Callbacks given to :func:`before_shutdown` run first."""
     while _BEFORE_SHUTDOWN:
         _BEFORE_SHUTDOWN.pop()()

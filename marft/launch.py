@@ -1,19 +1,17 @@
-"""Entry point: ``python -m marft.launch [flags]`` (what ``scripts/train_math.sh`` runs).
-
-All inputs are validated before the model is loaded, so a wrong path or agent
-count costs a second, not a model load.
+"""Training a team, the library: validate every input before the model loads (:func:`validate`, so a wrong path
+or agent count costs a second, not a model load), build the team, trainer, envs and runner (:func:`build_runner`),
+and train (:func:`train`, ``marft.train``). The command line is :mod:`marft.cli.train` (``marft train``,
+``scripts/train_math.sh``, and ``python -m marft.launch`` as before).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import os
 import random
-import sys
+import runpy
 import time
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import torch
@@ -21,16 +19,14 @@ import torch
 from marft.agents.team import AgentTeam
 from marft.agents.vllm_backend import check_vllm
 from marft.algorithms import make_trainer, trainer_class
-from marft.config import TrainConfig, parse_config
-from marft.distributed import Distributed, init_distributed, shutdown_distributed, world_size_from_env
+from marft.config import TrainConfig
+from marft.distributed import Distributed, init_distributed, world_size_from_env
 from marft.envs import resolve
 from marft.envs.profile import load_profile
 from marft.envs.vector import TextVectorEnv
 from marft.envs.workflows import workflow_for
-from marft.faults import CheckpointError, ExitCode, Preempted, SaveFailed, TrainingStopped
 from marft.models.loading import check_model_path, load_base_model
-from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta, read_trainer_state, resume_config
-from marft.runner.shared.preemption import ignore_stop_signals
+from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta, read_trainer_state
 from marft.runner.shared.runner import Runner
 from marft.validation import check_device, check_output_dir
 
@@ -344,62 +340,5 @@ def run_training(runner) -> dict:
     return summary
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """``python -m marft.launch [flags]``; returns an :class:`~marft.faults.ExitCode` (0 done, 1 training stopped,
-    2 bad input, 74 a checkpoint or log could not be written, 75 stopped by a signal after a checkpoint)."""
-
-    rank = int(os.environ.get("RANK", "0")) if world_size_from_env() > 1 else 0
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,  # rank 0 tells the story; the others warn only
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == 0 else f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    config, given = parse_config(argv)
-    try:
-        if config.runner.load_path:
-
-            config = resume_config(config, given)  # flags not given come from the checkpoint
-        validated = validate(config)
-    except (OSError, ValueError) as error:  # FileNotFoundError, PermissionError, IsADirectoryError ... name their file
-        print(f"error: {error}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-
-    try:
-        runner = build_runner(config, validated)
-    except (OSError, ValueError) as error:  # what only the loaded model can tell (e.g. --lora_target_modules it lacks)
-        print(f"error: {error}", file=sys.stderr)
-        return ExitCode.BAD_INPUT
-
-    try:
-        summary = run_training(runner)
-    except Preempted as stop:
-        print(f"stopped: {stop}", file=sys.stderr)
-        return ExitCode.PREEMPTED
-    except SaveFailed as error:
-        print(f"error: {error}", file=sys.stderr)
-        return ExitCode.SAVE_FAILED
-    except (CheckpointError, TrainingStopped) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return ExitCode.TRAINING_STOPPED
-    finally:
-        shutdown_distributed()  # every rank, however training ended
-    if rank != 0:
-        return ExitCode.OK
-    print(
-        f"done in {summary['seconds']:.0f}s: accuracy {summary['accuracy_before']:.3f} -> {summary['accuracy_after']:.3f}; "
-        f"run directory {summary['run_dir']}",
-        flush=True,
-    )
-    return ExitCode.OK
-
-
-def run_main(argv: Optional[list[str]] = None) -> int:
-    """:func:`main`, then stop signals ignored until the process exits (``python -m marft.launch``, ``marft train``)."""
-
-    code = main(argv)
-    ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit
-    return code
-
-
-if __name__ == "__main__":
-    sys.exit(run_main())
+if __name__ == "__main__":  # python -m marft.launch, as before: the command line is marft.cli.train (marft train)
+    runpy.run_module("marft.cli.train", run_name="__main__", alter_sys=True)

@@ -12,7 +12,7 @@ import sys
 
 from torch.profiler import ProfilerActivity, profile
 
-from marft.launch import main
+from marft.cli.train import main
 from marft.runner.shared.collector import RolloutCollector
 
 

@@ -5,7 +5,7 @@ Run ``python scripts/train_math.py --help`` for every flag.
 
 import sys
 
-from marft.launch import main
+from marft.cli.train import main
 from marft.runner.shared.preemption import ignore_stop_signals
 
 if __name__ == "__main__":

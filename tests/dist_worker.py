@@ -2,7 +2,7 @@
 
     dist_worker.py update MODEL_DIR OUT_DIR     one update with P processes vs one process on the union (per case)
     dist_worker.py unequal MODEL_DIR OUT_DIR    the same with 2 processes holding 9 and 12 of 21 turns (and 21 and 0, 0 and 0)
-    dist_worker.py train OUT_DIR -- FLAGS...    ``marft.launch.main(FLAGS)``; then this rank's weight hash and pid files
+    dist_worker.py train OUT_DIR -- FLAGS...    ``marft.cli.train.main(FLAGS)``; then this rank's weight hash and pid files
 
 Each rank writes ``OUT_DIR/rank<r>.json``.
 """
@@ -207,7 +207,8 @@ def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
 
 
 def train(out_dir: Path, argv: list[str], rank: int) -> dict:
-    """``marft.launch.main(argv)``, keeping the runner to hash this rank's final weights."""
+    """``marft.cli.train.main(argv)``, keeping the runner to hash this rank's final weights."""
+    import marft.cli.train
     import marft.launch
 
     (out_dir / f"pid{rank}").write_text(str(os.getpid()))
@@ -219,7 +220,7 @@ def train(out_dir: Path, argv: list[str], rank: int) -> dict:
         return runners[-1]
 
     marft.launch.build_runner = keep
-    code = marft.launch.main(argv)
+    code = marft.cli.train.main(argv)
     return {"code": code, "hash": weights_hash(runners[0].team) if runners else None}
 
 
@@ -235,7 +236,7 @@ def main() -> int:
         dist = init_distributed("cpu", 120 if mode == "update" else 60)
         result = (update_cases if mode == "update" else unequal_cases)(sys.argv[2], out_dir, dist)
         dist.barrier()  # every rank done with its collectives before any destroys the group
-        shutdown_distributed()  # here, as marft.launch.main does when training ends, not in the interpreter's exit
+        shutdown_distributed()  # here, as marft.cli.train.main does when training ends, not in the interpreter's exit
     else:
         out_dir = Path(sys.argv[2])
         result = train(out_dir, sys.argv[sys.argv.index("--") + 1 :], rank)

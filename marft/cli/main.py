@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 SUBCOMMANDS = {
-    "train": ("marft.launch", "train a team with multi-agent RL"),
+    "train": ("marft.cli.train", "train a team with multi-agent RL"),
     "sft": ("marft.cli.sft", "supervised warm start of a team before RL"),
     "eval": ("marft.cli.eval", "evaluate a checkpoint (or the base model) on a held-out split: pass@k, success, transcripts"),
     "export": ("marft.cli.export", "export a checkpoint's team: PEFT adapters per role, team.json, a model card"),

@@ -125,7 +125,7 @@ def test_grpo_with_per_step_credit_compares_each_agent_by_its_own_reward():
 @pytest.mark.parametrize("mode", ["equal", "step_discount", "per_step"])
 @pytest.mark.parametrize("algorithm", ["APPO", "GRPO"])
 def test_every_credit_mode_trains(random_model_dir, tmp_path, algorithm, mode):
-    from marft.launch import main
+    from marft.cli.train import main
 
     argv = ["--model_name_or_path", random_model_dir, "--env_name", "dense_relay_sum", "--max_new_tokens", "6",
             "--context_window", "128", "--n_rollout_threads", "4", "--episode_length", "1", "--num_env_steps", "8",

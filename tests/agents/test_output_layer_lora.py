@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_team import HISTORIES, make_team
 
-from marft.launch import main as train_main
+from marft.cli.train import main as train_main
 
 HEAD = "all-linear,lm_head"
 

@@ -182,7 +182,7 @@ def test_the_policy_loss_weights_engine_replies_by_the_correction(random_model_d
 def test_training_without_vllm_installed_says_how_to_install_it(tmp_path):
     """``import vllm`` fails (not installed, or broken): one error line before anything loads, naming the fallback."""
     script = ("import sys\nsys.modules['vllm'] = None  # import vllm raises ImportError\n"
-              "from marft.launch import main\nsys.exit(main(['--generation_backend', 'vllm', '--output_dir', sys.argv[1]]))\n")
+              "from marft.cli.train import main\nsys.exit(main(['--generation_backend', 'vllm', '--output_dir', sys.argv[1]]))\n")
     result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2, result.stderr[-2000:]
     error = result.stderr.strip().splitlines()

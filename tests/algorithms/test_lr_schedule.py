@@ -1,6 +1,6 @@
 """``--lr_schedule``: the learning rates every optimizer steps with, per iteration, and an exact resume mid-decay.
 
-Runs go through ``marft.launch.main`` on the tiny random model with the checkpoint tests' flags (2 envs, one team
+Runs go through ``marft.cli.train.main`` on the tiny random model with the checkpoint tests' flags (2 envs, one team
 step per iteration), saving checkpoints whose ``optimizers.pt`` holds the rate of the last iteration's step."""
 
 import shutil
@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_checkpoint import E, flags, scalars, weights
 
+from marft.cli.train import main
 from marft.config import AlgoConfig
-from marft.launch import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -238,7 +238,7 @@ ABBREVIATED = [("--num_env", "num_env_steps", "64"), ("--lr", "lr", "0.003"), ("
 
 @pytest.mark.parametrize("style", ["abbreviated", "equals", "abbreviated_equals"])
 def test_flags_given_abbreviated_or_with_equals_survive_a_resume(random_model_dir, tmp_path, style):
-    from marft.launch import main
+    from marft.cli.train import main
     from marft.runner.shared.checkpoint import resume_config
 
     run = tmp_path / "run"

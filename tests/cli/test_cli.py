@@ -12,8 +12,8 @@ import torch
 
 import marft.trained.evaluate as evaluate_module
 from marft.cli.main import main as marft
+from marft.cli.train import main as train_main
 from marft.config import parse_config
-from marft.launch import main as train_main
 from marft.trained.evaluate import pass_at_k
 
 ROOT = Path(__file__).resolve().parents[2]

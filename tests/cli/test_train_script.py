@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import marft.models.loading
-from marft.launch import main
+from marft.cli.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import marft.cli.sft
+import marft.cli.train
 import marft.launch
 import marft.sft
 from marft.config import CHOICES, SECTIONS, build_parser, field_docs
@@ -107,7 +108,7 @@ def test_the_flag_fuzzer_every_field_every_invalid_value(random_model_dir, tmp_p
     run_dir = tmp_path / "run"
     tried, errors = 0, 0
     for section, name, hint in cases():
-        command = marft.cli.sft.main if section == "sft" else marft.launch.main
+        command = marft.cli.sft.main if section == "sft" else marft.cli.train.main
         for value in values_for(hint, tmp_path):
             if name == "output_dir" and value == str(tmp_path / "binary.jsonl"):
                 continue  # a file as --output_dir: its own case below
@@ -156,14 +157,14 @@ def test_fuzzer_values_through_the_warm_start_command(random_model_dir, tmp_path
     (["--device", "banana"], "error: --device 'banana' is not a torch device"),
 ])
 def test_named_errors(random_model_dir, tmp_path, capsys, stubbed, argv_extra, expected):
-    result, line = outcome(marft.launch.main, base_flags(random_model_dir, tmp_path / "run") + argv_extra, capsys)
+    result, line = outcome(marft.cli.train.main, base_flags(random_model_dir, tmp_path / "run") + argv_extra, capsys)
     assert result == "error" and line.startswith(expected), line
 
 
 def test_an_output_dir_that_is_a_file(random_model_dir, tmp_path, capsys, stubbed):
     file = tmp_path / "a_file"
     file.write_text("x")
-    result, line = outcome(marft.launch.main, base_flags(random_model_dir, file), capsys)
+    result, line = outcome(marft.cli.train.main, base_flags(random_model_dir, file), capsys)
     assert line == f"error: --output_dir {file} exists and is not a folder"
 
 
@@ -173,7 +174,7 @@ def test_an_output_dir_nothing_can_be_written_in(random_model_dir, unwritable_di
 
     monkeypatch.setattr(marft.launch, "build_team", load)
     run = unwritable_dir / "run"
-    result, line = outcome(marft.launch.main, base_flags(random_model_dir, run), capsys)
+    result, line = outcome(marft.cli.train.main, base_flags(random_model_dir, run), capsys)
     assert line.startswith(f"error: --output_dir {run}: cannot write in {unwritable_dir}: "), line
     assert "free" not in line  # the cause, not a disk-space hint
 

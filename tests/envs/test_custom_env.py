@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 import marft.envs
+from marft.cli.train import main
 from marft.envs.base import CustomEnv, EpisodeState
-from marft.launch import main
 from marft.runner.shared.checkpoint import read_trainer_state
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -118,7 +118,7 @@ def test_self_play_demonstrations_carry_each_movers_own_view():
 @pytest.mark.parametrize("flags, ok", [(("--algorithm_name", "APPO"), False), (("--algorithm_name", "GRPO"), False),
                                        (("--algorithm_name", "GRPO", "--credit_assignment", "per_step"), True)])
 def test_self_play_trains_only_on_each_agents_own_reward(random_model_dir, tmp_path, capsys, flags, ok):
-    from marft.launch import main
+    from marft.cli.train import main
 
     # a seat's view is private, so kept whole in the prompt: a context window that holds it
     code = main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_seats",
@@ -268,7 +268,7 @@ def test_the_games_page_example_runs():
 
 def player_run(random_model_dir, output_dir) -> int:
     """Two iterations of the one-agent team against the random player, on the untrained test model."""
-    from marft.launch import main
+    from marft.cli.train import main
 
     return main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_player",
                  "--max_new_tokens", "4", "--context_window", "192", "--n_rollout_threads", "2", "--episode_length", "3",
@@ -460,7 +460,7 @@ def test_demonstrations_of_a_game_without_listed_moves_stop_with_the_remedy():
 
 
 def self_play_run(random_model_dir, output_dir, *extra):
-    from marft.launch import main
+    from marft.cli.train import main
 
     return main(["--model_name_or_path", random_model_dir, "--env_name", TTT, "--profile_path", "game_seats",
                  "--algorithm_name", "GRPO", "--credit_assignment", "per_step", "--update_on_constant_rewards", "true",

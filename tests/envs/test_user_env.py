@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 import marft.envs
+from marft.cli.train import main
 from marft.envs import StepOutcome
 from marft.envs.relay_sum.env import RelaySumEnv
-from marft.launch import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

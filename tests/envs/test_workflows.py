@@ -131,7 +131,7 @@ def test_bad_workflow_flags_fail_before_anything_loads():
 
 
 def test_the_cli_stops_on_a_cyclic_graph_before_the_model_loads(tmp_path, capsys):
-    from marft.launch import main
+    from marft.cli.train import main
 
     path = tmp_path / "cycle.json"
     path.write_text(json.dumps({"agents": [{"role": "A"}, {"role": "B", "with_answer": True}], "graph": {"edges": [["A", "B"], ["B", "A"]]}}))
@@ -294,7 +294,7 @@ def test_train_orchestrator_false_keeps_the_orchestrator_as_it_is(random_model_d
 def test_orchestrated_and_graph_runs_write_per_role_diagnostics_and_transcripts(random_model_dir, tmp_path, scripted_orchestrator):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from marft.launch import main
+    from marft.cli.train import main
 
     base = ["--model_name_or_path", random_model_dir, "--max_new_tokens", "6", "--context_window", "160", "--n_rollout_threads", "2",
             "--episode_length", "1", "--num_env_steps", "4", "--eval_episodes", "3", "--n_eval_threads", "2"]

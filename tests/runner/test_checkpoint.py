@@ -1,6 +1,6 @@
 """Checkpoints: exact resume, atomic saves (even under ``kill -9``), safe and verified loading.
 
-Every run here goes through ``marft.launch.main`` on a tiny random model, 2 envs, 1 team step per
+Every run here goes through ``marft.cli.train.main`` on a tiny random model, 2 envs, 1 team step per
 iteration and a horizon of 3, so episodes run across iteration boundaries and the saved episode
 states and running returns matter. The env is ``relay_sum`` with a dense reward (a random model
 never solves the task, and all-zero rewards would hide a lost episode return).
@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from marft.algorithms import TRAINERS
+from marft.cli.train import main
 from marft.faults import CheckpointError
-from marft.launch import main
 from marft.runner.shared.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,7 +257,7 @@ CHILD = textwrap.dedent(
     import sys, time
     from pathlib import Path
     import marft.runner.shared.checkpoint as checkpoint
-    from marft.launch import main
+    from marft.cli.train import main
 
     marker, argv = Path(sys.argv[1]), sys.argv[2:]
     write_value_head = checkpoint.save_file

@@ -25,7 +25,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import marft.envs
-from marft.launch import main
+from marft.cli.train import main
 from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -13,12 +13,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from marft.agents.team import AgentTeam
 from marft.algorithms.appo_trainer import APPOTrainer
+from marft.cli.train import main
 from marft.config import AlgoConfig, EnvConfig, ModelConfig, RunnerConfig, TrainConfig
 from marft.envs import make
 from marft.envs.relay_sum.env import RelaySumEnv
 from marft.envs.vector import TextVectorEnv
 from marft.faults import TrainingStopped
-from marft.launch import main, train
+from marft.launch import train
 
 E = 2
 

@@ -18,8 +18,8 @@ from test_checkpoint import weights
 from test_preemption import flags, signal_at
 
 import marft.runner.shared.collector as collector_module
+from marft.cli.train import main
 from marft.faults import ExitCode
-from marft.launch import main
 from marft.runner.shared.best import BestTracker
 from marft.runner.shared.checkpoint import find_checkpoint, read_trainer_state, trained_checkpoint
 

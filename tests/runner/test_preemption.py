@@ -33,9 +33,9 @@ import marft.runner.shared.evaluation as evaluation_module
 import marft.runner.shared.run_log as run_log_module
 import marft.runner.shared.runner as runner_module
 from marft.algorithms.appo_trainer import APPOTrainer
+from marft.cli.train import main
 from marft.distributed import SINGLE
 from marft.faults import ExitCode
-from marft.launch import main
 from marft.runner.shared.checkpoint import find_checkpoint
 from marft.runner.shared.preemption import Preemption
 
@@ -225,7 +225,7 @@ CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
     import marft.runner.shared.collector as collector_module
-    from marft.launch import main
+    from marft.cli.train import main
 
     mode, argv = sys.argv[1], sys.argv[2:]
     original = collector_module.play_team_step
