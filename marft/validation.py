@@ -82,7 +82,7 @@ RULES: dict[str, Range] = {
     "critic_lr": POSITIVE, "ppo_epoch": AT_LEAST_1, "num_mini_batch": AT_LEAST_1, "gradient_cp_steps": AT_LEAST_1, "max_chunk_tokens": AT_LEAST_1, "max_chunk_mib": NON_NEGATIVE,
     "clip_param": Range(0, 1, low_open=True, high_open=True), "clip_param_high": POSITIVE, "value_clip_param": NON_NEGATIVE, "huber_delta": POSITIVE, "value_loss_coef": NON_NEGATIVE,
     "entropy_coef": NON_NEGATIVE, "target_entropy": POSITIVE, "entropy_coef_step": NON_NEGATIVE, "max_grad_norm": POSITIVE, "gamma": UNIT, "gae_lambda": UNIT, "token_gamma": UNIT,
-    "token_gae_lambda": UNIT, "target_kl": POSITIVE, "warmup_steps": NON_NEGATIVE, "lr_warmup_iterations": NON_NEGATIVE, "agent_iteration_interval": NON_NEGATIVE,
+    "token_gae_lambda": UNIT, "target_kl": POSITIVE, "max_update_kl": POSITIVE, "warmup_steps": NON_NEGATIVE, "lr_warmup_iterations": NON_NEGATIVE, "agent_iteration_interval": NON_NEGATIVE,
     "max_consecutive_skips": NON_NEGATIVE, "rollout_correction_cap": Range(1, low_open=True),
     # runner
     "n_rollout_threads": AT_LEAST_1, "episode_length": AT_LEAST_1, "num_env_steps": AT_LEAST_1, "seed": Range(0, MAX_SEED),

@@ -144,9 +144,12 @@ def nan_on_one_rank(trainer, team, buffer, dist) -> dict:
     return {"skipped": trainer.counters["skipped_minibatches"] - skipped, "hash": weights_hash(team)}
 
 
-UNEQUAL_CASES = [("APPO", 9), ("TPPO", 9), ("GRPO", 9), ("APPO", 21), ("APPO", 0)]
-"""(algorithm, rows on rank 0 of the 21 turns of agent 0; rank 1 holds the rest): 9 and 12; 21 and none; and
-``(APPO, 0)``, where no process has a row of the adapter (the update is skipped on both)."""
+BOUNDED = 1e-4
+"""The ``--max_update_kl`` of the bounded case (the SGD step of lr 1 is over it)."""
+UNEQUAL_CASES = [("APPO", 9), ("TPPO", 9), ("GRPO", 9), ("APPO", 21), ("APPO", 0), ("GRPO", 9, BOUNDED)]
+"""(algorithm, rows on rank 0 of the 21 turns of agent 0; rank 1 holds the rest[, a limit on the update's KL]):
+9 and 12; 21 and none; ``(APPO, 0)``, where no process has a row of the adapter (the update is skipped on both);
+and a ``--max_update_kl`` the update's step is over, so the line search's KL is summed over the processes."""
 
 
 def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
@@ -159,13 +162,13 @@ def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
     from marft.launch import build_runner
 
     results = {}
-    for algorithm, first in UNEQUAL_CASES:
-        name = f"{algorithm}_{first}"
+    for algorithm, first, *limit in UNEQUAL_CASES:
+        name = f"{algorithm}_{first}" + ("_bounded" if limit else "")
         config = TrainConfig(
             model=ModelConfig(model_name_or_path=model_dir, max_new_tokens=6, context_window=128),
             env=EnvConfig(env_name="dense_relay_sum", horizon=3),
             algo=AlgoConfig(algorithm_name=algorithm, ppo_epoch=2, num_mini_batch=4, gradient_cp_steps=2, max_grad_norm=0.05,
-                            kl_coef=0.5, group_size=7 if algorithm == "GRPO" else 4),
+                            kl_coef=0.5, group_size=7 if algorithm == "GRPO" else 4, max_update_kl=limit[0] if limit else None),
             runner=RunnerConfig(n_rollout_threads=7, episode_length=3, num_env_steps=21, output_dir=str(out_dir / f"run_{name}_{dist.rank}")),
         )
         os.environ["WORLD_SIZE"] = "1"  # build a one-process runner in every process: the same batch everywhere
@@ -194,13 +197,14 @@ def unequal_cases(model_dir: str, out_dir: Path, dist) -> dict:
             trainer.dist = dist
             torch.manual_seed(1)
             mine = samples.rows(share)
-            update(mine, adapter) if job == "critic" else update(adapter, mine)
+            metrics = update(mine, adapter) if job == "critic" else update(adapter, mine)
             got = trainable(team)
             results[f"{name}/{job}"] = {
                 "max_diff": max(float((got[k] - reference[k]).abs().max()) for k in reference),
                 "moved": max(float((reference[k] - start[k]).abs().max()) for k in reference),
                 "hash": weights_hash(team),
                 "skipped_updates": trainer.counters.get(f"skipped_updates/{adapter}", 0),
+                "step_scale": metrics.get("update_step_scale"),
             }
             restore(team, start)
     return results

@@ -262,6 +262,19 @@ class AdapterBank:
             self.merged_adapter = None
 
     @contextmanager
+    def lora_dropout_paused(self):
+        """Inside the update, a forward that measures instead of training (``--max_update_kl``'s KL) runs
+        without LoRA dropout, as the rollout that sampled the replies did."""
+        active = [module for module in self.lora_dropouts if module.training]
+        for module in active:
+            module.eval()
+        try:
+            yield
+        finally:
+            for module in active:
+                module.train()
+
+    @contextmanager
     def lora_dropout_active(self):
         """Inside (the update), LoRA dropout (``--lora_dropout``) is active; everywhere else the model is in
         eval mode, so rollouts, critic values and scoring are deterministic functions of the weights.

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
 from marft.agents.team import AgentTeam
-from marft.algorithms import batching, kl, schedule
+from marft.algorithms import batching, kl, schedule, trust_region
 from marft.algorithms.advantages import batch_ranks_replies
 from marft.algorithms.batching import Minibatch
 from marft.algorithms.chunk_budget import budget_source, chunk_token_budget
@@ -288,6 +289,7 @@ class PPOTrainer:
             samples.ref_logprobs = self.reference_logprobs(samples, adapter)
         stats = defaultdict(list)
         self.scored_positions = [0, 0]
+        before = [param.detach().clone() for param in params] if cfg.max_update_kl is not None else None
         for _ in range(cfg.ppo_epoch):
             epoch_kl = []
             for minibatch in self._minibatches(samples, cfg.gradient_cp_steps):
@@ -317,6 +319,10 @@ class PPOTrainer:
                 self.counters["kl_early_stops"] += 1
                 logger.info("adapter %s: approx KL %.4f > target %.4f, remaining epochs skipped", adapter, kl_sum / kl_count, cfg.target_kl)
                 break
+        if before is not None:  # --max_update_kl
+            measure = partial(trust_region.batch_update_kl, team, cfg, samples, adapter, self.dist)
+            bounded = trust_region.bound_update(params, before, measure, cfg.max_update_kl)
+            trust_region.record(bounded, adapter, cfg.max_update_kl, stats, self.counters, self.iteration)
         positions, padding = self.scored_positions
         stats["pad_share"].append(padding / positions if positions else float("nan"))
         self.adapt_entropy_coef(adapter, stats["entropy"])
