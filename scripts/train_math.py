@@ -5,10 +5,7 @@ Run ``python scripts/train_math.py --help`` for every flag.
 
 import sys
 
-from marft.cli.train import main
-from marft.runner.shared.preemption import ignore_stop_signals
+from marft.cli.train import run_main
 
 if __name__ == "__main__":
-    code = main()
-    ignore_stop_signals()  # trained and saved (or stopped and saved): a late SIGTERM must not kill the exit
-    sys.exit(code)
+    sys.exit(run_main())  # stop signals ignored after training: a late SIGTERM must not kill the exit

@@ -263,8 +263,8 @@ class AdapterBank:
 
     @contextmanager
     def lora_dropout_paused(self):
-        """Inside the update, a forward that measures instead of training (``--max_update_kl``'s KL) runs
-        without LoRA dropout, as the rollout that sampled the replies did."""
+        """Inside the update, a forward that measures instead of training (the reference's log-probs,
+        ``--max_update_kl``'s KL) runs without LoRA dropout, as the rollout that sampled the replies did."""
         active = [module for module in self.lora_dropouts if module.training]
         for module in active:
             module.eval()

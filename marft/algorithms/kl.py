@@ -39,22 +39,24 @@ def reference_kl(config: AlgoConfig, token_logp: torch.Tensor, mb: TurnBatch, re
 
 
 @torch.no_grad()
-def reference_logprobs(team: AgentTeam, config: AlgoConfig, samples: TurnBatch, adapter: str | None = None) -> torch.Tensor:
-    """``(B, L)`` log-probs of the sampled replies under the reference policy of ``adapter`` (``--kl_reference``):
-    its frozen copy from the start of training (``initial``: :meth:`AgentTeam.add_reference_adapters`), or the
-    base model (``base``: every adapter off, free with LoRA), in chunks of one gradient-accumulation chunk's
-    size; zero at padding."""
+def reply_logprobs(team: AgentTeam, config: AlgoConfig, samples: TurnBatch, route: str, base_model: bool = False) -> torch.Tensor:
+    """``(B, L)`` log-probs of the sampled replies under adapter ``route`` (``base_model``: every adapter off), in
+    chunks of one gradient-accumulation chunk's size, without gradients or LoRA dropout; zero at padding."""
     n_samples, L = samples.response_ids.shape
     size = max(1, math.ceil(n_samples / (config.num_mini_batch * config.gradient_cp_steps)))
     out = torch.zeros(n_samples, L)
-    reference = team.reference_adapters.get(adapter) if adapter is not None else None
-    route = reference or team.policy_adapters[0]
-    for rows in torch.arange(n_samples).split(size):
-        mb = TurnBatch(agent=samples.agent, prompt_ids=samples.prompt_ids, prompt_mask=samples.prompt_mask, response_ids=samples.response_ids,
-                       response_mask=samples.response_mask).rows(rows).trimmed(team.device)
-        with team.bank.reference_policy() if reference is None else nullcontext():
-            scores = team.response_logprobs(
-                route, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agents=mb.agent
-            )
-        out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
+    with torch.no_grad(), team.bank.lora_dropout_paused(), team.bank.reference_policy() if base_model else nullcontext():
+        for rows in torch.arange(n_samples).split(size):
+            mb = TurnBatch(agent=samples.agent, prompt_ids=samples.prompt_ids, prompt_mask=samples.prompt_mask, response_ids=samples.response_ids,
+                           response_mask=samples.response_mask).rows(rows).trimmed(team.device)
+            scores = team.response_logprobs(route, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agents=mb.agent)
+            out[rows, : scores.logprobs.shape[1]] = scores.logprobs.float().cpu()
     return out
+
+
+def reference_logprobs(team: AgentTeam, config: AlgoConfig, samples: TurnBatch, adapter: str | None = None) -> torch.Tensor:
+    """``(B, L)`` log-probs of the sampled replies under the reference policy of ``adapter`` (``--kl_reference``):
+    its frozen copy from the start of training (``initial``: :meth:`AgentTeam.add_reference_adapters`), or the
+    base model (``base``: every adapter off, free with LoRA) (:func:`reply_logprobs`)."""
+    reference = team.reference_adapters.get(adapter) if adapter is not None else None
+    return reply_logprobs(team, config, samples, reference or team.policy_adapters[0], base_model=reference is None)

@@ -2,9 +2,8 @@
 
 PPO's clip bounds the ratio only where a token has already moved within the update: the first step of each epoch
 runs at ratio 1 and clips nothing, and the approximate KL that ``--target_kl`` reads is the mean over the epoch's
-chunks, most of them measured before the step. A near-deterministic policy (entropy ~0.01 once a team has found
-the optimum) can then move far in one Adam step: on a batch with two failures out of 64, one update moved the
-sampled tokens' KL to 0.45 while its logged approx KL read 0.03, and the team's accuracy fell from 1.0 to 0.5.
+chunks, most of them measured before the step. A near-deterministic policy (a team that has found its optimum)
+can then move far in one Adam step while that approx KL reads little, and the team loses what it learned.
 
 The bound measures what the update did, after its last step: the mean KL, over the batch's real reply tokens,
 between the policy that sampled them and the updated policy (k3: ``(r - 1) - log r``, ``r = new / old``). Over
@@ -16,13 +15,13 @@ smallest scale is undone. The optimizer's moments keep the update's gradients.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from marft.agents.team import AgentTeam
+from marft.algorithms import kl
 from marft.config import AlgoConfig
 from marft.distributed import Distributed
 from marft.types import TurnBatch
@@ -77,18 +76,10 @@ def bound_update(params: Sequence[torch.nn.Parameter], before: Sequence[torch.Te
 
 def batch_update_kl(team: AgentTeam, config: AlgoConfig, samples: TurnBatch, adapter: str, dist: Distributed) -> float:
     """The mean k3 KL, over the real reply tokens of ``samples`` on every process, between the policy that sampled
-    them (their ``logprobs``) and ``adapter`` as it is now; one forward without gradients, in chunks of one
-    gradient-accumulation chunk's size, without LoRA dropout."""
-    n_samples = samples.response_ids.shape[0]
-    size = max(1, math.ceil(n_samples / (config.num_mini_batch * config.gradient_cp_steps)))
-    total = count = 0.0
-    with torch.no_grad(), team.bank.lora_dropout_paused():
-        for rows in torch.arange(n_samples).split(size):
-            mb = samples.rows(rows).trimmed(team.device)
-            scores = team.response_logprobs(adapter, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agents=mb.agent)
-            chunk_sum, chunk_count = token_kl_sum(scores.logprobs, mb.logprobs.to(scores.logprobs.device), mb.response_mask)
-            total, count = total + chunk_sum, count + chunk_count
-    total, count = dist.sum_floats([total, count])
+    them (their ``logprobs``) and ``adapter`` as it is now (:func:`marft.algorithms.kl.reply_logprobs`: one forward
+    without gradients or LoRA dropout)."""
+    current = kl.reply_logprobs(team, config, samples, adapter)  # (B, L)
+    total, count = dist.sum_floats(list(token_kl_sum(current, samples.logprobs, samples.response_mask)))
     return total / count if count else 0.0
 
 
