@@ -220,8 +220,8 @@ class AlgoConfig:
     """The cap of --rollout_correction (above 1)."""
     target_kl: Optional[float] = None
     """Stop an agent's remaining PPO epochs once its approximate KL exceeds this (None: never). Stops are counted."""
-    max_update_kl: Optional[float] = None
-    """Bound how far one update moves a policy: after an agent's PPO epochs, the mean KL (k3, per real reply token) between the policy that sampled the batch and the updated one is measured on the batch, and the update's step is halved (up to 6 times, then undone) until it is within this (a backtracking line search; logged as update_kl and update_step_scale, counted as counters/cut_updates and counters/undone_updates). PPO's clip does not bound the first step of an epoch, so a near-deterministic policy can otherwise move far in one update. None: no bound."""
+    max_update_kl: Optional[float] = 0.05
+    """Bound how far one update moves a policy: after an agent's PPO epochs, the mean KL (k3, per real reply token) between the policy that sampled the batch and the updated one is measured on the batch, and the update's step is halved (up to 6 times, then undone) until it is within this (a backtracking line search; logged as update_kl and update_step_scale, counted as counters/cut_updates and counters/undone_updates). PPO's clip does not bound the first step of an epoch, so a near-deterministic policy can otherwise move far in one update (docs/results/stability.md). none: no bound."""
     warmup_steps: int = 0
     """Train only the critic until this many environment steps are collected (env steps, as in the original MARFT: one iteration is n_rollout_threads x episode_length)."""
     agent_iteration_interval: int = 0

@@ -11,7 +11,8 @@ held-out accuracy of the best checkpoint and at the end, and the rollbacks. The 
 that reached ``--reached``, no moving accuracy after it falls below ``--floor``, and every seed ends at
 ``--final`` or above. The row goes into ``benchmarks/results/stability.json`` (replacing a row of the same name),
 its plot (every seed's moving accuracy) into ``docs/results/stability_<slug>.png``, and
-``docs/results/stability.md`` is written anew from all rows. Prints the row as one line of JSON.
+``docs/results/stability.md`` is written anew from all rows, the rows of the defaults (``--default``: what a run
+does without flags) first. Prints the row as one line of JSON.
 """
 
 from __future__ import annotations
@@ -101,8 +102,11 @@ def render(rows: list[dict]) -> str:
         "when no seed falls below its floor after reaching the threshold and every seed ends at its final target or above.",
         "How to read and reproduce a run: [Runs](../runs.md#keep-the-best-notice-a-collapse).",
         "",
+        "The rows marked *(the default)* come first: what a run does without flags. The rest are the recipes they were",
+        "chosen against; their commands name every flag that differs from today's defaults.",
+        "",
     ]
-    for row in rows:
+    for row in sorted(rows, key=lambda r: not r.get("default", False)):  # stable: recorded order within each group
         lines += [f"## {row['row']}", "", f"`{row['command']}`", "", row.get("about", ""), "",
                   f"Passes (after ≥ {row['reached']}: never below {row['floor']}; ends ≥ {row['final']}): "
                   f"**{'yes' if row['passes'] else 'no'}**. Machine: {row['machine']}, calibrate {row['calibrate_s']} s; commit {row['commit']}.", "",
@@ -127,6 +131,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reached", type=float, default=0.95)
     p.add_argument("--floor", type=float, default=0.85)
     p.add_argument("--final", type=float, default=0.9)
+    p.add_argument("--default", action="store_true", help="the row is the defaults' recipe (listed first)")
     p.add_argument("--calibrate_s", type=float, required=True, help="python ../shared/anchor/calibrate.py's reading on this machine")
     args = p.parse_args(argv)
     seeds = [seed_figures(run, args.window, args.reached) for run in args.runs]
@@ -135,7 +140,7 @@ def main(argv=None) -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
     row = {"row": args.row, "command": args.command, "about": args.about, "window": args.window, "reached": args.reached, "floor": args.floor,
            "final": args.final, "passes": passes, "commit": commit, "machine": cpu, "calibrate_s": args.calibrate_s,
-           "plot": f"stability_{slug(args.row)}.png", "seeds": seeds}
+           "plot": f"stability_{slug(args.row)}.png", "default": args.default, "seeds": seeds}
     plot(row, PAGE.parent / row["plot"])
     rows = [r for r in (json.loads(RESULTS.read_text())["rows"] if RESULTS.exists() else []) if r["row"] != args.row] + [row]
     RESULTS.write_text(json.dumps({"rows": rows}, indent=1) + "\n")

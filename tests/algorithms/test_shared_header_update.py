@@ -28,7 +28,10 @@ def rollout(model_dir, algorithm, profile="planner_solver_verifier", context_win
     cls = trainer_class(algorithm)
     team = AgentTeam(base, tokenizer, load_profile(profile), config, with_critic=cls.uses_critic)
     perturb_adapters(team, std=0.3)
-    trainer = cls(team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, **(algo or {})), steps_per_iteration=len(HISTORIES))
+    # max_update_kl None: these tests count an update's header forwards, and the bound's measuring forward
+    # (tests/algorithms/test_update_kl_bound.py) would add its own
+    trainer = cls(team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, **{"max_update_kl": None, **(algo or {})}),
+                  steps_per_iteration=len(HISTORIES))
     N, E = team.n_agents, len(HISTORIES)
     private = [["x = 7"] + [""] * (N - 1), [""] * N, ["x = 12345"] + [""] * (N - 1)]
     buffer = RolloutBuffer(STEPS, E, N, team.prompts.max_prompt_len, config.max_new_tokens, team.pad_id)
@@ -219,7 +222,7 @@ def test_with_a_chunk_token_budget_every_chunk_runs_its_own_headers(random_model
     shared, shared_runs = gradients(team, trainer, buffer, shared=True, monkeypatch=monkeypatch)
     widest = buffer.prompt_mask.sum(-1).max() + buffer.response_mask.sum(-1).max() + max(map(len, team.headers.header_ids))
     budget = int(widest)  # about a row a chunk
-    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0)
+    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0, max_update_kl=None)
     seen = []
     minibatches = trainer._minibatches
     monkeypatch.setattr(trainer, "_minibatches", lambda s, k: [m for m in minibatches(s, k) if not seen.append(m)])
@@ -236,7 +239,7 @@ def test_headers_held_over_an_uncut_minibatch_count_against_the_budget(random_mo
     without a budget."""
     team, trainer, buffer = rollout(random_model_dir, "APPO", algo={"kl_coef": 0.0})
     samples = buffer.critic_samples(False)
-    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_mib=0, kl_coef=0.0)
+    trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_mib=0, kl_coef=0.0, max_update_kl=None)
     torch.manual_seed(0)
     (plain,) = trainer._minibatches(samples, team.n_agents)
     header_lengths = batching.header_lengths(samples, trainer.team.headers)
@@ -245,7 +248,7 @@ def test_headers_held_over_an_uncut_minibatch_count_against_the_budget(random_mo
     fits_alone = max(r + h for r, h in zip(rows, headers))  # no chunk is cut at this budget
     assert fits_alone < max(rows) + sum(headers)
     for budget, cut in ((fits_alone, True), (max(rows) + sum(headers), False)):
-        trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0)
+        trainer.config = AlgoConfig(algorithm_name="APPO", ppo_epoch=1, max_chunk_tokens=budget, kl_coef=0.0, max_update_kl=None)
         torch.manual_seed(0)
         (minibatch,) = trainer._minibatches(samples, team.n_agents)
         assert [c.tolist() for c in minibatch.chunks] == [c.tolist() for c in plain.chunks] and minibatch.budget_cut is cut
