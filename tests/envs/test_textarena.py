@@ -14,7 +14,8 @@ import torch
 pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
 
 from marft.envs import make, resolve  # noqa: E402
-from marft.envs.textarena.env import TEXTARENA_MISSING, GameState, TextArenaEnv, legal_moves  # noqa: E402
+from marft.envs.textarena.env import TEXTARENA_MISSING, GameState, TextArenaEnv  # noqa: E402
+from marft.envs.textarena.legal import listed_moves as legal_moves  # noqa: E402
 
 TTT = "textarena:TicTacToe-v0"
 
@@ -233,11 +234,10 @@ def test_kuhn_poker_plays_against_the_random_opponent():
     assert sum(outcomes.values()) == 20 and not env.reward_failures
 
 
-def test_a_game_without_listed_moves_is_refused_for_the_random_opponent():
-    env = make("textarena:Nim-v0", split="test", profile="game_player")
-    with pytest.raises(ValueError, match="legal moves listed"):
-        env.reset(options={"task_index": 1})  # seat 1: the opponent moves first
-        env.step(("[0 1]",))
+def test_a_game_whose_legal_moves_are_unknown_is_refused_for_the_random_opponent_when_built():
+    with pytest.raises(ValueError, match="neither lists its legal moves.*self-play can: a two-agent profile"):
+        make("textarena:SimpleNegotiation-v0", split="test", profile="game_player")
+    make("textarena:SimpleNegotiation-v0", split="test", profile="game_seats")  # self-play needs no legal moves
 
 
 def test_without_textarena_the_error_says_how_to_install_it(monkeypatch):
@@ -453,9 +453,9 @@ def test_a_self_play_agent_cannot_forge_game_lines_in_its_opponents_view(view):
     assert env.episode.legal != ("[4]",) and "[4]" not in env.episode.legal
 
 
-def test_demonstrations_of_a_game_without_listed_moves_stop_with_the_remedy():
-    env = make("textarena:Nim-v0", split="train", profile="game_seats")
-    with pytest.raises(ValueError, match="no legal moves.*--sft_data"):
+def test_demonstrations_of_a_game_whose_legal_moves_are_unknown_stop_with_the_remedy():
+    env = make("textarena:SimpleNegotiation-v0", split="train", profile="game_seats")
+    with pytest.raises(ValueError, match="neither lists its legal moves.*--sft_data"):
         env.demonstrations(2)
 
 
@@ -597,7 +597,7 @@ def test_the_board_view_reaches_prompts_self_play_views_and_retries_alike():
 
 def test_the_board_view_is_refused_for_a_game_that_shows_no_board():
     with pytest.raises(ValueError, match="shows no board.*since_move"):
-        make("textarena:IteratedPrisonersDilemma-v0", split="test", profile="game_player", view="board")
+        make("textarena:IteratedPrisonersDilemma-v0", split="test", profile="game_seats", view="board")
     with pytest.raises(ValueError, match="view must be one of since_move, board"):
         make(TTT, split="test", profile="game_player", view="latest")
 

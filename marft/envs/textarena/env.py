@@ -3,7 +3,9 @@
 A two-agent profile is self-play (one agent per seat, each paid its own seat's reward; see :class:`TextArenaEnv`).
 A one-agent profile plays one seat of a two-player game against a fixed opponent that the environment moves itself:
 ``random``, a player of uniformly random legal moves (for games whose observation lists the legal moves, e.g.
-Tic-Tac-Toe's ``Available Moves: '[0]', '[4]'`` or Kuhn Poker's ``available actions are: '[check]', '[bet]'``).
+Tic-Tac-Toe's ``Available Moves: '[0]', '[4]'`` or Kuhn Poker's ``available actions are: '[check]', '[bet]'``, and
+games whose moves :mod:`marft.envs.textarena.legal` reads from their state: ConnectFour, Nim, Othello ...; for any
+other game it is refused when the env is built, before a model loads).
 Seats rotate over tasks (task ``i`` plays seat ``i % 2`` of game seed ``i // 2``), so both seats are trained and
 evaluated, reproducibly by seed. One team step is one move of the agent; the opponent's replies follow inside the
 step. The reward is TextArena's at the end of the game (win 1, draw 0, loss -1), ``correct`` is a win, and the
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -34,6 +35,7 @@ import numpy as np
 from marft.choices import GAME_VIEWS
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.profile import AgentSpec, team_profile
+from marft.envs.textarena import legal
 from marft.envs.workflows import StepTurns, Workflow
 from marft.prompting import format_problem
 
@@ -43,7 +45,6 @@ OPPONENTS = ("random",)
 DEFAULT_MAX_MOVES = 64
 """The most moves the agent makes in one game when ``--horizon`` is 1 (the default: the game's own end)."""
 GAME_ID = -1
-LEGAL_MOVES = re.compile(r"'(\[[^\]\n]+\])'")
 OUTCOMES = {1: "win", 0: "draw", -1: "loss"}
 
 
@@ -53,16 +54,6 @@ def _textarena():
     except ImportError as error:
         raise ImportError(TEXTARENA_MISSING) from error
     return textarena
-
-
-def legal_moves(messages: str) -> list[str]:
-    """The legal moves the latest line that lists them names (``'[4]'`` → ``[4]``), or [] if no line does."""
-    for line in reversed(messages.splitlines()):
-        if "available" in line.lower():
-            found = LEGAL_MOVES.findall(line)
-            if found:
-                return found
-    return []
 
 
 @dataclass(frozen=True)
@@ -80,7 +71,8 @@ class GameState(EpisodeState):
     views: tuple[str, ...] = ()
     """Self-play: each agent's view of the game now (its seat's messages); empty against a fixed opponent."""
     legal: tuple[str, ...] = ()
-    """The legal moves the game lists for the player to move (empty: the game lists none, or it is over)."""
+    """The legal moves of the player to move, listed by the game or read from its state (:mod:`.legal`; empty: neither
+    knows them, or the game is over)."""
     retries: tuple[int, ...] = ()
     """Per agent, its invalid moves TextArena forgave (the agent tried again); charged when the horizon cuts a game."""
     opponent_moves: int = 0
@@ -166,6 +158,10 @@ class Game:
     @property
     def current_player(self) -> int:
         return int(self.base.state.current_player_id)
+
+    def legal_moves(self) -> list[str]:
+        """The current player's legal moves: listed by the game, else read from its state (:mod:`.legal`); [] if neither."""
+        return legal.legal_moves(self.base, self.current_player, self.from_game[self.current_player])
 
     def move(self, action: str) -> None:
         """The current player makes ``action``; the game's messages are collected; at the end, its result. The
@@ -278,6 +274,11 @@ class TextArenaEnv(MultiAgentTextEnv):
                     else "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else "")
             raise ValueError(f"TextArena could not start {game_id!r} as a two-player game (an unknown id, a game for another number of "
                              f"players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
+        if not self.self_play and not probe.legal_moves():
+            raise ValueError(f"{game_id} neither lists its legal moves nor has a reader of them in marft.envs.textarena.legal, so the "
+                             f"random opponent cannot play it; self-play can: a two-agent profile (--profile_path game_seats) with "
+                             f"--algorithm_name GRPO --credit_assignment per_step. Games the random opponent plays: "
+                             f"{', '.join(legal.RANDOM_OPPONENT_GAMES)}")
         if view == "board" and not probe.has_board[probe.current_player]:
             raise ValueError(f"{game_id} shows no board at its start (a message TextArena marks GAME_BOARD), so the 'board' view "
                              f"would show the rules alone; use the 'since_move' view")
@@ -374,10 +375,10 @@ class TextArenaEnv(MultiAgentTextEnv):
         the agent cannot re-draw the opponent's reply by wasting attempts. Returns (moves, the opponent's count)."""
         while not game.done and (game.current_player != seat if not self.self_play
                                  else (game.current_player - seat) % 2 in self.random_agents):
-            options = legal_moves(game.from_game[game.current_player])
-            if not options:
-                raise ValueError(f"the random opponent needs the legal moves listed in {self.game_id}'s observation "
-                                 f"(a line with 'available' and moves like '[4]'); none in: {game.unread[game.current_player][-300:]!r}")
+            options = game.legal_moves()
+            if not options:  # refused at __init__ for games whose moves are unknown; a position that lists none
+                raise ValueError(f"the random opponent found no legal move in this position of {self.game_id}: "
+                                 f"{game.unread[game.current_player][-300:]!r}")
             choice = options[int(np.random.default_rng([seed, made]).integers(len(options)))]
             game.move(choice)
             moves, made = moves + (choice,), made + 1
@@ -387,7 +388,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         """The episode state after ``moves``; ``game`` is kept live for the next transition."""
         self._live = ((seed, moves), game)
         to_move = -1 if game.done else game.current_player
-        legal = () if game.done else tuple(legal_moves(game.from_game[to_move]))
+        legal = () if game.done else tuple(game.legal_moves())
         if self.self_play:
             views = tuple(game.view((agent + seat) % 2, self.view) for agent in range(2))
             history = format_problem(self.game_id)
@@ -474,8 +475,9 @@ class TextArenaEnv(MultiAgentTextEnv):
             index = self.choose_task(None)
             self.reset(options={"task_index": index})
             if not self.episode.legal:
-                raise ValueError(f"{self.game_id} lists no legal moves in its observations (a line with 'available' and moves in "
-                                 "quotes like '[4]'), so there are no random-legal demonstrations: warm-start with transcripts of your "
+                raise ValueError(f"{self.game_id} neither lists its legal moves (a line with 'available' and moves in quotes like "
+                                 "'[4]') nor has a reader of them (marft.envs.textarena.legal), so there are no random-legal "
+                                 "demonstrations: warm-start with transcripts of your "
                                  "own (--sft_data FILE.jsonl)")
             while not self.episode.done and self.episode.legal and len(transcripts) < n:
                 mover = self.turns.due[0]
