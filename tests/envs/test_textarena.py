@@ -743,3 +743,32 @@ def test_a_prompt_cut_to_the_context_window_keeps_the_rules_and_the_latest_board
         del saved["episode"]["rules"]
         restored.load_state_dict(saved)
         assert restored.episode.rules == () and restored.kept_heads() == env.kept_heads()
+
+
+NLTK_BANNER = """
+**********************************************************************
+  Resource 'words' not found.
+  Please use the NLTK Downloader to obtain the resource:
+
+  >>> import nltk
+  >>> nltk.download('words')
+
+  Attempted to load 'corpora/words'
+**********************************************************************
+"""
+
+
+def test_a_word_game_without_its_nltk_data_fails_when_built_in_one_line_naming_the_data(monkeypatch):
+    """TextArena downloads NLTK's corpora when a word game's module is imported, which fails offline with a LookupError
+    banner; the env says which resource and how to install it, in one line, before any model loads."""
+    from marft.envs.textarena import env as textarena_env
+
+    def no_corpus(self, game_id, seed):
+        raise LookupError(NLTK_BANNER)
+
+    monkeypatch.setattr(textarena_env.Game, "__init__", no_corpus)
+    with pytest.raises(ValueError) as raised:
+        make("textarena:Codenames-v0", profile="game_seats")
+    message = str(raised.value)
+    assert "\n" not in message and "Codenames-v0 needs NLTK's 'words' data" in message
+    assert "python -m nltk.downloader words averaged_perceptron_tagger_eng" in message

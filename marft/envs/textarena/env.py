@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -87,6 +88,16 @@ class GameState(EpisodeState):
         object.__setattr__(self, "legal", tuple(self.legal))
         object.__setattr__(self, "retries", tuple(self.retries))
         object.__setattr__(self, "rules", tuple(self.rules))
+
+
+def missing_nltk_data(game_id: str, message: str) -> str:
+    """One line for a word game whose NLTK data is missing (TextArena downloads it when the game's module is imported,
+    which fails offline): which resource, and how to install it."""
+    found = re.search(r"Resource '?([\w.]+)'? not found", message)
+    resource = found.group(1) if found else "its corpora"
+    return (f"{game_id} needs NLTK's {resource!r} data, which TextArena downloads on first use and cannot here (offline). On a "
+            f"machine with internet: python -m nltk.downloader words averaged_perceptron_tagger_eng (TextArena's word games "
+            f"use these two), then copy the nltk_data folder here or point NLTK_DATA at it (no pip package ships NLTK's data)")
 
 
 class Game:
@@ -270,8 +281,9 @@ class TextArenaEnv(MultiAgentTextEnv):
         try:
             probe = Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
         except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
-            hint = ("; TextArena's word games need NLTK corpora, which cannot be downloaded offline" if isinstance(error, LookupError)
-                    else "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else "")
+            if isinstance(error, LookupError):  # NLTK's multi-line "Resource ... not found" banner
+                raise ValueError(missing_nltk_data(game_id, str(error))) from error
+            hint = "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else ""
             raise ValueError(f"TextArena could not start {game_id!r} as a two-player game (an unknown id, a game for another number of "
                              f"players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
         if not self.self_play and not probe.legal_moves():
