@@ -322,7 +322,8 @@ class TrainConfig:
 
         Raises:
             ValueError: ``num_env_steps`` is less than one iteration's env steps; ``agent_iteration_interval`` is shorter than one iteration's env steps; with GRPO,
-                ``group_size`` does not divide ``n_rollout_threads`` or ``horizon`` does not divide ``episode_length``.
+                ``group_size`` does not divide ``n_rollout_threads`` or ``horizon`` does not divide ``episode_length``;
+                ``credit_assignment own_turns`` with another algorithm than APPO, or ``horizon`` not dividing ``episode_length``.
         """
         if self.algo.algorithm_name == "GRPO":
             groups, horizon = self.algo.group_size, self.env.horizon
@@ -333,6 +334,13 @@ class TrainConfig:
                     f"GRPO plays whole episodes: --episode_length {self.runner.episode_length} must be a multiple of --horizon {horizon} "
                     f"(each iteration plays episode_length / horizon rounds of group episodes)"
                 )
+        if self.algo.credit_assignment == "own_turns":
+            if self.algo.algorithm_name != "APPO":
+                raise ValueError(f"--credit_assignment own_turns (each agent's own chain of turns, for self-play) trains with "
+                                 f"--algorithm_name APPO, not {self.algo.algorithm_name} (GRPO self-play: --credit_assignment per_step)")
+            if self.runner.episode_length % self.env.horizon:
+                raise ValueError(f"--credit_assignment own_turns plays whole episodes: --episode_length {self.runner.episode_length} "
+                                 f"must be a multiple of --horizon {self.env.horizon}")
         interval, per_iteration = self.algo.agent_iteration_interval, self.steps_per_iteration
         if self.runner.num_env_steps < per_iteration:
             raise ValueError(

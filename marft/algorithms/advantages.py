@@ -134,6 +134,68 @@ def agent_chain_gae(
     return advantages, advantages + values[:T]
 
 
+def own_turn_gae(
+    agent_rewards: torch.Tensor,
+    values: torch.Tensor,
+    agents: torch.Tensor,
+    played: torch.Tensor,
+    terminated: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+    truncated: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns of every turn along its own agent's chain of turns (``--credit_assignment
+    own_turns``: self-play, where each agent is paid its own side of the game).
+
+    Agent n's turns in an env form one chain: a turn's reward is agent n's rewards from the step of that turn
+    until its next turn (the steps in between, its opponent's moves included, and the game's end), and it
+    bootstraps from agent n's own next turn, never from the opponent's. Each agent's critic then values its own
+    positions: the first mover's edge is in its seat's values, not credited to its policy.
+
+    Args:
+        agent_rewards: ``(T, E, N)`` the env's reward of each agent after step t.
+        values: ``(T + 1, E, S)`` the critic's value of each turn (its agent's; ``values[T]`` unused).
+        agents: ``(T, E, S)`` each turn's agent (-1: empty slot). played: ``(T, E, S)`` the slot holds a turn.
+        terminated: ``(T, E)`` the episode ended after step t.
+        gamma, gae_lambda: discount and GAE lambda per link of an agent's chain.
+        truncated: ``(T, E)`` must not be set: every episode is whole within the rollout (the collector plays rounds
+            of whole episodes), so no chain needs a value from beyond the buffer.
+
+    Returns:
+        ``advantages (T, E, S)`` and ``returns (T, E, S)``, 0 on empty slots.
+
+    Raises:
+        ValueError: an episode was truncated, or a turn's episode does not end within the rollout.
+    """
+    T, E, S = agents.shape
+    N = agent_rewards.shape[-1]
+    played = played.bool()
+    if truncated is not None and truncated.any():
+        raise ValueError("--credit_assignment own_turns needs episodes that end (terminated); one was truncated, and an "
+                         "agent's chain cannot bootstrap from the first speaker's value of its final observation")
+    ended_after = torch.flip(torch.cummax(torch.flip(terminated.bool(), [0]).long(), dim=0).values, [0]).bool()  # (T, E): an end at t or later
+    if (played & ~ended_after.unsqueeze(-1)).any():
+        raise ValueError("--credit_assignment own_turns needs whole episodes in each rollout (rounds of --horizon steps); "
+                         "a turn's episode did not end within it")
+    dtype, envs = values.dtype, torch.arange(E, device=values.device)
+    advantages = torch.zeros(T, E, S, dtype=dtype, device=values.device)
+    next_value = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) each agent's next own turn: value
+    next_adv = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) ... and advantage
+    pending = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) rewards not yet credited to a turn
+    for t in range(T - 1, -1, -1):
+        going = (~terminated[t].bool()).to(dtype).unsqueeze(-1)  # (E, 1): an episode that ends at t has no next turns
+        next_value, next_adv, pending = next_value * going, next_adv * going, pending * going
+        pending = pending + agent_rewards[t].to(dtype)
+        for s in range(S - 1, -1, -1):
+            here, agent = played[t, :, s], agents[t, :, s].clamp(min=0)  # (E,) each
+            delta = pending[envs, agent] + gamma * next_value[envs, agent] - values[t, :, s]  # (E,)
+            adv = delta + gamma * gae_lambda * next_adv[envs, agent]
+            advantages[t, :, s] = torch.where(here, adv, torch.zeros_like(adv))
+            rows, own = envs[here], agent[here]
+            next_value[rows, own], next_adv[rows, own], pending[rows, own] = values[t, here, s], adv[here], 0.0
+    return advantages, torch.where(played, advantages + values[:T], torch.zeros_like(advantages))
+
+
 def discount_matrix(length: int, discount: float, dtype=torch.float32, device=None) -> torch.Tensor:
     """``W[l, k] = discount ** (k - l)`` for ``k >= l``, else 0. Shape (length, length)."""
     idx = torch.arange(length, device=device)
@@ -291,6 +353,8 @@ def turn_credits(
         raise ValueError(f"unknown credit assignment {mode!r}; known: {', '.join(CREDIT_MODES)}")
     if mode == "env":
         return rewards
+    if mode == "own_turns":
+        raise ValueError("own_turns gives no per-turn credit: each agent's chain is its own (fill_own_turn_advantages)")
     played = torch.ones_like(rewards, dtype=torch.bool) if played is None else played.bool()
     if mode == "per_step":
         if agents is None:
@@ -365,6 +429,14 @@ def fill_action_advantages(buffer, gamma: float, gae_lambda: float, rewards: tor
     buffer.advantages, buffer.returns = agent_chain_gae(
         buffer.rewards if rewards is None else rewards, buffer.values, buffer.terminated, gamma, gae_lambda,
         truncated=buffer.truncated, final_values=buffer.final_values, played=buffer.played, layers=buffer.layer,
+    )
+
+
+def fill_own_turn_advantages(buffer, gamma: float, gae_lambda: float) -> None:
+    """A rollout buffer's action-level advantages and returns along each agent's own chain of turns
+    (:func:`own_turn_gae`, ``--credit_assignment own_turns``)."""
+    buffer.advantages, buffer.returns = own_turn_gae(
+        buffer.agent_rewards, buffer.values, buffer.agent, buffer.played, buffer.terminated, gamma, gae_lambda, truncated=buffer.truncated,
     )
 
 

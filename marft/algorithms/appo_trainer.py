@@ -15,7 +15,7 @@ import torch
 
 from marft.agents.critic import CRITIC_ADAPTER
 from marft.agents.team import AgentTeam
-from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_action_advantages
+from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_action_advantages, fill_own_turn_advantages
 from marft.algorithms.losses import clipped_value_loss
 from marft.algorithms.ppo import PPOTrainer, _nanmean
 from marft.config import AlgoConfig
@@ -44,8 +44,12 @@ class APPOTrainer(PPOTrainer):
         return self.critic_optimizers.get(CRITIC_ADAPTER)
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
-        """Action level: GAE along the agent chain, one advantage per reply."""
-        fill_action_advantages(buffer, self.config.gamma, self.config.gae_lambda, self.chain_rewards(buffer))
+        """Action level: GAE along the agent chain, one advantage per reply (``own_turns``: along each agent's own
+        chain of turns, for self-play)."""
+        cfg = self.config
+        if cfg.credit_assignment == "own_turns":
+            return fill_own_turn_advantages(buffer, cfg.gamma, cfg.gae_lambda)
+        fill_action_advantages(buffer, cfg.gamma, cfg.gae_lambda, self.chain_rewards(buffer))
 
     def chain_rewards(self, buffer: RolloutBuffer) -> torch.Tensor | None:
         """The rewards the agent chain's GAE runs on (``--credit_assignment``): the env's as they are (``env``),

@@ -36,7 +36,10 @@ class RolloutNeeds:
     token_values: bool
     """The critic also values every reply token (token-level trainers)."""
     group_rounds: bool
-    """Envs play rounds of whole episodes, each group of ``group_size`` envs on one task (GRPO)."""
+    """Envs play rounds of whole episodes (``--horizon`` steps), each group of ``group_size`` envs on one task (GRPO;
+    ``--credit_assignment own_turns``: groups of one)."""
+    group_size: int = 1
+    """Envs per task in a round of whole episodes."""
 
 
 class RolloutCollector:
@@ -65,10 +68,10 @@ class RolloutCollector:
         return buffer, stats
 
     def start_group_round(self, iteration: int, round_index: int) -> None:
-        """Reset every env for a round of group episodes (GRPO): envs ``g·G .. g·G + G - 1`` get
-        one task, different groups different tasks (while there are enough), drawn from ``(seed, rank, iteration,
-        round)`` alone, so a resumed run draws the same tasks."""
-        G, E = self.config.algo.group_size, self.envs.n_envs
+        """Reset every env for a round of whole episodes (GRPO's groups; own_turns' games): envs ``g·G .. g·G + G - 1``
+        get one task (``G``: :attr:`RolloutNeeds.group_size`), different groups different tasks (while there are enough),
+        drawn from ``(seed, rank, iteration, round)`` alone, so a resumed run draws the same tasks."""
+        G, E = self.needs.group_size, self.envs.n_envs
         rng = np.random.default_rng([self.config.runner.seed, self.dist.rank, iteration, round_index])
         n_tasks = self.envs.num_tasks
         tasks = rng.choice(n_tasks, size=E // G, replace=E // G > n_tasks).repeat(G)  # (E,)

@@ -91,7 +91,9 @@ class Runner:
         self.n_iterations = config.num_iterations
         """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
         trainer.total_iterations = self.n_iterations  # where --lr_schedule's decay ends
-        needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=trainer.group_relative)
+        whole_episodes = trainer.group_relative or config.algo.credit_assignment == "own_turns"
+        needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=whole_episodes,
+                             group_size=config.algo.group_size if trainer.group_relative else 1)
         self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
         if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
