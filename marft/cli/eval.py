@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
 
 from marft.choices import GENERATION_BACKENDS
 from marft.cli.common import add_checkpoint_flags, chosen_checkpoint, int_list, parser, run
 from marft.trained.evaluate import checkpoint_config, evaluate
+from marft.trained.league import league
 
 
 def build_parser():
@@ -34,6 +37,10 @@ def build_parser():
     p.add_argument("--versus_checkpoint", metavar="PATH", help="self-play games: --versus_role plays with its adapter from this checkpoint "
                    "(or run directory) of the same team, e.g. the warm start: the trained agent against its initial self")
     p.add_argument("--versus_role", metavar="ROLE", help="the role that plays from --versus_checkpoint")
+    p.add_argument("--league", nargs="+", metavar="RUN_OR_CHECKPOINT", help="self-play games: a round robin of these checkpoints "
+                   "(a run directory: each of its checkpoints; 'random': the random-legal-move player), --episodes games per "
+                   "pairing of roles (default 100), both seats; writes league.json (openskill ratings, win/draw/loss of every "
+                   "pair, invalid-move rates) and league.png (rating against training iteration) to --output_dir")
     p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model]/"
                    "<split>-n<N> or <split>-episodes<E>)")
     return p
@@ -45,6 +52,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_from_args(args: argparse.Namespace) -> int:
+    if args.league:
+        if args.load_path or args.versus_random or args.versus_checkpoint:
+            raise ValueError("--league names its members itself: give it without --load_path, --versus_random or --versus_checkpoint")
+        if args.episodes is not None and args.episodes < 1:
+            raise ValueError("--episodes must be at least 1")
+        output_dir = args.output_dir or str(Path("results") / "league" / time.strftime("%Y%m%d-%H%M%S"))
+        print(json.dumps(league(args.league, episodes=args.episodes or 100, seed=args.seed, output_dir=output_dir), indent=2), flush=True)
+        return 0
     if args.load_path is None:
         raise ValueError("--load_path is required (a checkpoint or a run directory); with --base_model its config is used without its adapters")
     if args.n < 1 or (args.episodes is not None and args.episodes < 1) or (args.n_eval_threads is not None and args.n_eval_threads < 1):

@@ -1,0 +1,65 @@
+"""``marft eval --league``: a round robin of a self-play run's checkpoints and the random player, rated with openskill."""
+
+import json
+
+import pytest
+
+pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
+pytest.importorskip("openskill", reason="openskill is not installed (pip install -r requirements-dev.txt)")
+
+from marft.cli.main import main as marft  # noqa: E402
+from marft.cli.train import main as train  # noqa: E402
+from marft.trained.league import RANDOM, Record, interleaved, league_members, rate  # noqa: E402
+
+
+def test_ratings_order_members_by_their_results():
+    """A beats B and C, B beats C: the ratings order A > B > C; every game counts once (draws tie)."""
+    names = ["a", "b", "c"]
+    records = {("a", "b"): Record(wins=8, draws=1, losses=1), ("a", "c"): Record(wins=9, losses=1), ("b", "c"): Record(wins=7, draws=3)}
+    ratings = rate(names, records)
+    assert ratings["a"]["mu"] > ratings["b"]["mu"] > ratings["c"]["mu"]
+    assert rate(names, records) == ratings  # the same games, the same ratings
+    even = rate(["x", "y"], {("x", "y"): Record(wins=5, losses=5)})
+    assert abs(even["x"]["mu"] - even["y"]["mu"]) < even["x"]["sigma"] / 2  # even results: equal within the uncertainty
+
+
+def test_members_and_their_refusals(tmp_path):
+    with pytest.raises(ValueError, match="at least two"):
+        league_members([RANDOM])
+    with pytest.raises(ValueError, match="twice"):
+        league_members([RANDOM, RANDOM])
+    with pytest.raises(FileNotFoundError):
+        league_members([RANDOM, str(tmp_path / "nothing")])
+
+
+@pytest.mark.slow
+def test_a_league_of_a_self_play_runs_checkpoints_and_the_random_player(random_model_dir, tmp_path):
+    run = tmp_path / "run"
+    code = train(["--model_name_or_path", random_model_dir, "--env_name", "textarena:TicTacToe-v0", "--profile_path", "game_seats",
+                  "--algorithm_name", "APPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent",
+                  "--max_new_tokens", "4", "--context_window", "1024", "--n_rollout_threads", "2", "--horizon", "3",
+                  "--episode_length", "3", "--num_env_steps", "12", "--save_interval", "1", "--eval_episodes", "2",
+                  "--n_eval_threads", "2", "--output_dir", str(run)])
+    assert code == 0
+    out = tmp_path / "league"
+    assert marft(["eval", "--league", str(run), RANDOM, "--episodes", "2", "--output_dir", str(out)]) == 0
+    result = json.loads((out / "league.json").read_text())
+    checkpoints = [f"run/steps_{i}" for i in (1, 2)]
+    assert result["members"] == checkpoints + [RANDOM] and set(result["ratings"]) == set(result["members"])
+    for a in result["members"]:
+        for b in result["members"]:
+            if a == b:
+                continue
+            mine, theirs = result["matrix"][f"{a} vs {b}"], result["matrix"][f"{b} vs {a}"]
+            assert mine["wins"] + mine["draws"] + mine["losses"] == 4  # 2 games per pairing of roles, 2 pairings
+            assert (mine["wins"], mine["draws"], mine["losses"]) == (theirs["losses"], theirs["draws"], theirs["wins"])
+    assert result["invalid_move_rate"][RANDOM] is None and 0 <= result["invalid_move_rate"][checkpoints[0]] <= 1
+    assert (out / "league.png").stat().st_size > 0
+    with pytest.raises(SystemExit):  # argparse: --league wants members
+        marft(["eval", "--league"])
+
+
+def test_outcomes_are_spread_over_the_games():
+    assert interleaved({"win": 2, "draw": 0, "loss": 2}) == ["win", "loss", "win", "loss"]
+    spread = interleaved({"win": 6, "draw": 2, "loss": 2})
+    assert sorted(spread) == sorted(["win"] * 6 + ["draw"] * 2 + ["loss"] * 2) and spread[-3:] != ["loss", "loss", "draw"]
