@@ -132,11 +132,12 @@ def main(argv=None) -> dict:
     p.add_argument("--floor", type=float, default=0.85)
     p.add_argument("--final", type=float, default=0.9)
     p.add_argument("--default", action="store_true", help="the row is the defaults' recipe (listed first)")
+    p.add_argument("--commit", help="the commit whose code made the runs (default: HEAD)")
     p.add_argument("--calibrate_s", type=float, required=True, help="python ../shared/anchor/calibrate.py's reading on this machine")
     args = p.parse_args(argv)
     seeds = [seed_figures(run, args.window, args.reached) for run in args.runs]
     passes = all((s["lowest_after_reached"] is None or s["lowest_after_reached"] >= args.floor) and s["final_moving"] >= args.final for s in seeds)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
     row = {"row": args.row, "command": args.command, "about": args.about, "window": args.window, "reached": args.reached, "floor": args.floor,
            "final": args.final, "passes": passes, "commit": commit, "machine": cpu, "calibrate_s": args.calibrate_s,

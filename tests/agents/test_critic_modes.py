@@ -91,7 +91,9 @@ def test_each_credit_mode_gives_the_hand_computed_per_turn_credits():
     from marft.algorithms.advantages import CREDIT_MODES, turn_credits
 
     rewards = torch.tensor([[[1.0, 1.0, 1.0], [0.0, 3.0, 0.0]]])  # (T=1, E=2, N=3): a team reward, then per-agent rewards
-    assert set(CREDIT_MODES) == {"env", "equal", "step_discount", "per_step"}
+    assert set(CREDIT_MODES) == {"env", "equal", "step_discount", "per_step", "own_turns"}
+    with pytest.raises(ValueError, match="own_turns gives no per-turn credit"):  # its own GAE: tests/algorithms/test_own_turn_gae.py
+        turn_credits(rewards, "own_turns")
     torch.testing.assert_close(turn_credits(rewards, "env"), rewards)
     torch.testing.assert_close(turn_credits(rewards, "per_step"), rewards)
     torch.testing.assert_close(turn_credits(rewards, "equal"), torch.tensor([[[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]]))
