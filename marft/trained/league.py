@@ -69,9 +69,10 @@ def iteration_of(checkpoint: Path) -> int:
     return int(found.group(1)) if found else -1
 
 
-def play_pair(a: Path, b: Path | None, roles: list[str], episodes: int, seed: int, out: Path) -> Record:
-    """``a``'s games against ``b`` (a checkpoint, or None: the random player), ``episodes`` per pairing of roles."""
-    record = Record()
+def play_pair(a: Path, b: Path | None, roles: list[str], episodes: int, seed: int, out: Path) -> tuple[Record, Record]:
+    """``a``'s and ``b``'s records against each other (``b``: a checkpoint, or None: the random player), ``episodes``
+    games per pairing of roles."""
+    mine, theirs = Record(), Record()
     for index, opponent_role in enumerate(roles):  # b plays opponent_role, a the other
         where = out / f"{index}"
         if b is None:
@@ -80,14 +81,20 @@ def play_pair(a: Path, b: Path | None, roles: list[str], episodes: int, seed: in
             summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_checkpoint=b,
                                versus_role=opponent_role)
         transcripts = [json.loads(line) for line in (where / "transcripts.jsonl").read_text().splitlines() if line.strip()]
-        role = summary["games"]["role"]  # a's role in these games
-        for game in transcripts:
-            outcome = game["outcome_by_role"][role]
-            record.wins += outcome == "win"
-            record.losses += outcome == "loss"
-            record.draws += outcome not in ("win", "loss")  # a draw, or a game the horizon cut
-            record.invalid += game.get("invalid_by") == role
-    return record
+        tally(transcripts, summary["games"]["role"], mine)  # a's role in these games
+        tally(transcripts, opponent_role, theirs)
+    return mine, theirs
+
+
+def tally(games: list[dict], role: str, record: Record) -> None:
+    """Add ``role``'s outcomes in self-play ``games`` (transcripts) to ``record``: a draw or a game the horizon cut
+    counts as a draw; ``invalid``: the games ``role`` lost by its own invalid move."""
+    for game in games:
+        outcome = game["outcome_by_role"][role]
+        record.wins += outcome == "win"
+        record.losses += outcome == "loss"
+        record.draws += outcome not in ("win", "loss")
+        record.invalid += game.get("invalid_by") == role
 
 
 def rate(names: list[str], records: dict[tuple[str, str], Record]) -> dict[str, dict[str, float]]:
@@ -153,23 +160,21 @@ def league(paths: list[str], episodes: int, seed: int, output_dir: str | Path) -
     checkpoints = [c for _, c in members if c is not None]
     if not checkpoints:
         raise ValueError("--league needs at least one checkpoint besides the random player")
-    config, _ = checkpoint_config(checkpoints[0])
-    env = config.env.env_name
-    for checkpoint in checkpoints[1:]:
-        if checkpoint_config(checkpoint)[0].env.env_name != env:
-            raise ValueError(f"--league: {checkpoint} plays {checkpoint_config(checkpoint)[0].env.env_name}, not {env}")
+    configs = [checkpoint_config(checkpoint)[0] for checkpoint in checkpoints]
+    config, env = configs[0], configs[0].env.env_name
+    for checkpoint, other in zip(checkpoints[1:], configs[1:]):
+        if other.env.env_name != env:
+            raise ValueError(f"--league: {checkpoint} plays {other.env.env_name}, not {env}")
     roles = [spec.role for spec in load_profile(config.model.profile_path, n_agents=config.model.n_agents)]
     if len(roles) != 2:
         raise ValueError(f"--league rates self-play teams (one agent per seat); {checkpoints[0]} has roles {roles}")
     out = Path(output_dir)
     records: dict[tuple[str, str], Record] = {}
     names = [name for name, _ in members]
-    for i, (a_name, a) in enumerate(members):
-        for b_name, b in members[i + 1:]:
-            first, second = (b_name, b) if a is None else (a_name, a), (a_name, a) if a is None else (b_name, b)
-            record = play_pair(first[1], second[1], roles, episodes, seed, out / "pairs" / f"{i}-{names.index(second[0])}")
-            records[(first[0], second[0])] = record
-            records[(second[0], first[0])] = Record(record.losses, record.draws, record.wins, 0)
+    for i, first in enumerate(members):
+        for j, second in enumerate(members[i + 1:], start=i + 1):
+            (a_name, a), (b_name, b) = (second, first) if first[1] is None else (first, second)  # the random player never loads a team
+            records[(a_name, b_name)], records[(b_name, a_name)] = play_pair(a, b, roles, episodes, seed, out / "pairs" / f"{i}-{j}")
     ratings = rate(names, {pair: r for pair, r in records.items() if names.index(pair[0]) < names.index(pair[1])})
     games = {name: sum(r.games for (a, _), r in records.items() if a == name) for name in names}
     invalid = {name: sum(r.invalid for (a, _), r in records.items() if a == name) for name in names}

@@ -9,7 +9,7 @@ pytest.importorskip("openskill", reason="openskill is not installed (pip install
 
 from marft.cli.main import main as marft  # noqa: E402
 from marft.cli.train import main as train  # noqa: E402
-from marft.trained.league import RANDOM, Record, interleaved, league_members, rate  # noqa: E402
+from marft.trained.league import RANDOM, Record, interleaved, league_members, rate, tally  # noqa: E402
 
 
 def test_ratings_order_members_by_their_results():
@@ -63,3 +63,15 @@ def test_outcomes_are_spread_over_the_games():
     assert interleaved({"win": 2, "draw": 0, "loss": 2}) == ["win", "loss", "win", "loss"]
     spread = interleaved({"win": 6, "draw": 2, "loss": 2})
     assert sorted(spread) == sorted(["win"] * 6 + ["draw"] * 2 + ["loss"] * 2) and spread[-3:] != ["loss", "loss", "draw"]
+
+
+def test_a_tally_counts_each_sides_outcomes_and_its_own_invalid_losses():
+    games = [{"outcome_by_role": {"A": "win", "B": "loss"}, "invalid_by": "B"},
+             {"outcome_by_role": {"A": "draw", "B": "draw"}, "invalid_by": ""},
+             {"outcome_by_role": {"A": "unfinished", "B": "unfinished"}},
+             {"outcome_by_role": {"A": "loss", "B": "win"}, "invalid_by": "A"}]
+    a, b = Record(), Record()
+    tally(games, "A", a)
+    tally(games, "B", b)
+    assert (a.wins, a.draws, a.losses, a.invalid) == (1, 2, 1, 1)
+    assert (b.wins, b.draws, b.losses, b.invalid) == (1, 2, 1, 1) and a.games == b.games == 4

@@ -110,7 +110,3 @@ def legal_moves(game, player: int, messages: str) -> list[str]:
     reader = READERS.get(type(game).__name__)
     return reader(game, player) if reader else []
 
-
-def readable(game) -> bool:
-    """Whether ``game``'s legal moves can be known without its listing them (a registered reader)."""
-    return type(game).__name__ in READERS
