@@ -29,7 +29,8 @@
   ``model.generate`` of the same number of tokens on the same prompt batches, same LoRA adapter.
 * ``update``: seconds per training update (``trainer.update``) against a plain forward + backward +
   optimizer step over the same minibatches of tokens with the same adapters.
-* ``iteration``: seconds per whole training iteration (rollout + advantages + update) and peak memory
+* ``iteration``: seconds per whole training iteration (rollout + advantages + update; of the update, the
+  ``--max_update_kl`` line search's share as ``update_bound_s``, and its cut updates) and peak memory
   (process RSS; on CUDA also the peak allocated GPU memory). Run one configuration per process so the
   peak-memory figures do not mix.
 
@@ -56,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from marft.algorithms import trust_region
 from marft.config import SECTIONS, AlgoConfig, TrainConfig, build_parser
 
 SHAPED_MODELS = {
@@ -661,12 +663,31 @@ def bench_update(args) -> dict:
 # ---------------------------------------------------------------------------- iteration
 
 
+@contextmanager
+def timed_update_bound(seconds: list[float]):
+    """Time every ``--max_update_kl`` line search (:func:`marft.algorithms.trust_region.bound_update`) into ``seconds``."""
+    bound = trust_region.bound_update
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return bound(*args, **kwargs)
+        finally:
+            seconds.append(time.perf_counter() - start)
+
+    trust_region.bound_update = timed
+    try:
+        yield
+    finally:
+        trust_region.bound_update = bound
+
+
 def bench_iteration(args) -> dict:
     runner, config, _ = build_runner(args)
     team, trainer = runner.team, runner.trainer
     if team.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    rollout_s, update_s, tokens = [], [], []
+    rollout_s, update_s, tokens, bound_s = [], [], [], []
     for i in range(args.repeats + 1):  # iteration 0 is a warm-up
         synchronize(team.device)
         start = time.perf_counter()
@@ -674,11 +695,14 @@ def bench_iteration(args) -> dict:
         synchronize(team.device)
         middle = time.perf_counter()
         trainer.compute_advantages(buffer)
-        trainer.update(buffer, i)
+        bounds = []
+        with timed_update_bound(bounds):
+            trainer.update(buffer, i)
         synchronize(team.device)
         end = time.perf_counter()
         print(f"iteration {i}: rollout {middle - start:.2f}s, update {end - middle:.2f}s" + (" (warm-up)" if i == 0 else ""), flush=True)
         if i > 0:
+            bound_s.append(sum(bounds))
             rollout_s.append(middle - start)
             update_s.append(end - middle)
             tokens.append(int(buffer.response_mask.sum()))
@@ -692,6 +716,8 @@ def bench_iteration(args) -> dict:
         "seconds_per_iteration": (sum(rollout_s) + sum(update_s)) / args.repeats,
         "rollout_s": sum(rollout_s) / args.repeats,
         "update_s": sum(update_s) / args.repeats,
+        "update_bound_s": sum(bound_s) / args.repeats,  # --max_update_kl's line search, part of update_s (0 with none)
+        "cut_updates": trainer.counters.get("cut_updates", 0) + trainer.counters.get("undone_updates", 0),
         "reply_tokens_per_iteration": sum(tokens) / args.repeats,
         "seconds_per_1k_reply_tokens": 1000 * (sum(rollout_s) + sum(update_s)) / max(sum(tokens), 1),
         "base_params_m": sum(p.numel() for n, p in named if "lora_" not in n) / 1e6,

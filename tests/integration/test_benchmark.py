@@ -75,6 +75,9 @@ def test_iteration_bench_reports_time_and_memory(random_model_dir):
     assert result["bench"] == "iteration" and result["n_agents"] == 4
     assert result["seconds_per_iteration"] == pytest.approx(result["rollout_s"] + result["update_s"])
     assert result["peak_rss_mib"] > 0 and result["adapter_params_m"] > 0
+    assert 0 < result["update_bound_s"] < result["update_s"]  # the --max_update_kl line search runs (the default), inside the update
+    unbounded = run_bench("iteration", "--model", random_model_dir, "--repeats", "1", "--max_update_kl", "none", *TINY)
+    assert unbounded["update_bound_s"] == 0 and unbounded["cut_updates"] == 0
 
 
 def load_benchmark_module():
