@@ -38,7 +38,7 @@ def test_textarena_names_resolve_to_the_game():
     env = make(TTT, split="test", profile="game_player")
     assert isinstance(env, TextArenaEnv) and env.game_id == "TicTacToe-v0" and env.roles == ("Player",)
     assert resolve(TTT).func is TextArenaEnv
-    with pytest.raises(ValueError, match="NoSuchGame.*as a two-player game"):
+    with pytest.raises(ValueError, match="NoSuchGame.*as a two-player game or a one-player puzzle"):
         make("textarena:NoSuchGame-v0", profile="game_player")
 
 
@@ -776,3 +776,96 @@ def test_a_word_game_without_its_nltk_data_fails_when_built_in_one_line_naming_t
     message = str(raised.value)
     assert "\n" not in message and "Codenames-v0 needs NLTK's 'words' data" in message
     assert "python -m nltk.downloader words averaged_perceptron_tagger_eng" in message
+
+
+# ---- one-player puzzles played by a team (issue 76)
+
+GTN = "textarena:GuessTheNumber-v0"
+
+
+def team_move(env, proposal: str, move: str) -> tuple[list[float], bool, dict]:
+    """One team step of a Reasoner -> Actor puzzle team: the Reasoner says ``proposal``, the Actor ``move``."""
+    for text in (proposal, move):
+        (agent,) = env.speakers()
+        env.take_turn(agent, text)
+    _, rewards, terminated, truncated, info = env.step(env.turn_actions())
+    return rewards.tolist(), terminated or truncated, info
+
+
+def test_a_puzzle_is_played_by_the_whole_team_and_the_answering_agents_reply_is_the_move():
+    env = make(GTN, split="test", profile="reasoner_actor", horizon=10)
+    assert env.puzzle and not env.self_play and env.roles == ("Reasoner", "Actor") and env.mover == 1
+    assert env.num_tasks == env.n_games  # one seat: a task per game
+    env.reset(options={"task_index": 3})
+    secret = env._game(env.episode.game_seed, env.episode.moves).base.game_number
+    low, high, steps = 1, 20, 0
+    while True:  # binary search, the Reasoner proposing a wrong number every time: only the Actor's reply counts
+        guess = (low + high) // 2
+        rewards, done, info = team_move(env, f"[{21 - guess}]", f"I play [{guess}]")
+        steps += 1
+        if done:
+            break
+        assert rewards == [0.0, 0.0] and env.episode.moves[-1] == f"I play [{guess}]"
+        low, high = (guess + 1, high) if guess < secret else (low, guess - 1)
+    assert steps <= 5 and rewards == [1.0, 1.0]  # the game's reward, paid to every agent
+    assert info["correct"] and info["outcome"] == "win" and info["progress"] == 1.0 and not info["invalid_move"]
+
+
+def test_an_unsolved_puzzle_pays_its_progress_and_is_not_correct():
+    env = make(GTN, split="test", profile="reasoner_actor", horizon=30)  # the game's own turn limit ends it
+    env.reset(options={"task_index": 0})
+    secret = env._game(env.episode.game_seed, env.episode.moves).base.game_number
+    wrong, done = iter(k for k in range(1, 21) if k != secret), False
+    while not done:
+        rewards, done, info = team_move(env, "", f"[{next(wrong)}]")
+    assert info["outcome"] == "loss" and not info["correct"]
+    assert rewards[0] == rewards[1] == pytest.approx(info["progress"]) and 0.0 <= info["progress"] < 1.0  # rewards are float32
+
+
+def test_a_puzzle_replays_exactly_from_its_state():
+    env, other = (make("textarena:Mastermind-v0", split="train", profile="reasoner_actor", horizon=20) for _ in range(2))
+    env.reset(options={"task_index": 5})
+    for move in env.episode.legal[:3]:
+        team_move(env, move, move)
+    other.reset(options={"task_index": 0})
+    other.load_state_dict(json.loads(json.dumps(env.state_dict())))
+    for e in (env, other):
+        rewards, _, _ = team_move(e, "", e.episode.legal[7])
+    assert env.episode == other.episode and env.state() == other.state()
+
+
+@pytest.mark.parametrize("game_id", ["GuessTheNumber-v0", "Mastermind-v0", "TowerOfHanoi-v0", "FrozenLake-v0"])
+def test_puzzle_demonstrations_show_the_team_proposing_and_playing_a_legal_move(game_id):
+    env = make(f"textarena:{game_id}", split="train", profile="reasoner_actor", horizon=10)
+    env.reset(seed=0)
+    demos = env.demonstrations(12)
+    assert len(demos) == 12
+    for demo in demos:
+        env.reset(options={"task_index": demo["task"]})
+        reasoner, actor = demo["turns"]
+        assert (reasoner["role"], actor["role"]) == ("Reasoner", "Actor") and reasoner["text"] == actor["text"]
+        assert set(demo["kept_heads"]) == {"Reasoner", "Actor"}
+    assert all(demo["turns"][1]["text"].startswith("[") for demo in demos)
+
+
+def test_a_three_agent_team_plays_a_puzzle_but_not_a_two_player_game():
+    env = make(GTN, split="test", profile="planner_solver_verifier", horizon=10)
+    assert env.puzzle and env.n_agents == 3 and env.mover == 2
+    with pytest.raises(ValueError, match="one agent .*or two"):
+        make(TTT, profile="planner_solver_verifier")
+
+
+@pytest.mark.parametrize("algorithm", ["APPO", "GRPO"])
+def test_a_team_trains_on_a_puzzle(random_model_dir, tmp_path, algorithm):
+    """A Reasoner -> Actor team plays GuessTheNumber through the trainer: one iteration, a summary, eval transcripts
+    whose games the team moved in (its Actor's replies)."""
+    from marft.cli.train import main
+
+    run = tmp_path / "run"
+    code = main(["--model_name_or_path", random_model_dir, "--env_name", GTN, "--profile_path", "reasoner_actor",
+                 "--algorithm_name", algorithm, "--group_size", "2", "--max_new_tokens", "4", "--context_window", "1024",
+                 "--n_rollout_threads", "4", "--horizon", "3", "--episode_length", "3", "--num_env_steps", "12",
+                 "--eval_episodes", "2", "--n_eval_threads", "2", "--output_dir", str(run)])
+    assert code == 0 and json.loads((run / "summary.json").read_text())["iterations"] == 1
+    rows = [json.loads(line) for path in (run / "transcripts").glob("eval_*.jsonl") for line in path.read_text().splitlines()]
+    assert rows and all([turn["role"] for turn in row["steps"][0]] == ["Reasoner", "Actor"] for row in rows)

@@ -6,6 +6,7 @@ reader that lists a move the game refuses would make the random opponent lose on
 legal move out would make it weaker than random."""
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ pytest.importorskip("textarena", reason="textarena is not installed (pip install
 
 from marft.envs import make  # noqa: E402
 from marft.envs.textarena.env import Game  # noqa: E402
-from marft.envs.textarena.legal import RANDOM_OPPONENT_GAMES, READERS  # noqa: E402
+from marft.envs.textarena.legal import PUZZLES, RANDOM_OPPONENT_GAMES, READERS  # noqa: E402
 
 FILES = "abcdefgh"
 CANDIDATES = {
@@ -28,6 +29,11 @@ CANDIDATES = {
                         for dr in (-1, 0, 1) for dc in (-1, 0, 1) if 0 <= c + dc < 8 and 0 <= r + dr < 8 and (dr, dc) != (0, 0)],
     "IteratedRockPaperScissors-v0": ["[rock]", "[paper]", "[scissors]", "[lizard]"],
     "IteratedMatchingPennies-v0": ["[heads]", "[tails]", "[edge]"],
+    "GuessTheNumber-v0": [f"[{k}]" for k in range(0, 22)],
+    "Mastermind-v0": [f"[{' '.join(map(str, code))}]" for code in itertools.permutations(range(1, 7), 4)]
+                     + ["[1 1 2 3]", "[0 1 2 3]", "[1 2 3 7]", "[1 2 3]", "[1 2 3 4 5]"],
+    "TowerOfHanoi-v0": [f"[{a} {b}]" for a in "ABCD" for b in "ABCD"],
+    "FrozenLake-v0": ["[up]", "[down]", "[left]", "[right]", "[north]"],
 }
 """Per game with a reader: moves in its format, legal or not (a superset of every position's legal moves)."""
 
@@ -44,7 +50,7 @@ def accepted(game: Game, move: str) -> bool:
 def positions(game_id: str, games: int, max_moves: int):
     """Positions of ``games`` random games (random legal moves, seeded), each as a live :class:`Game`."""
     for seed in range(games):
-        game, rng = Game(game_id, seed), np.random.default_rng(seed)
+        game, rng = Game(game_id, seed, 1 if game_id in PUZZLES else 2), np.random.default_rng(seed)
         for _ in range(max_moves):
             if game.done:
                 break
@@ -54,14 +60,15 @@ def positions(game_id: str, games: int, max_moves: int):
 
 
 def test_every_game_with_a_reader_is_a_random_opponent_game_with_candidates():
-    assert {type(Game(g, 0).base).__name__ for g in CANDIDATES} == set(READERS)
-    assert set(CANDIDATES) <= set(RANDOM_OPPONENT_GAMES)
+    assert {type(Game(g, 0, 1 if g in PUZZLES else 2).base).__name__ for g in CANDIDATES} == set(READERS)
+    assert set(CANDIDATES) <= set(RANDOM_OPPONENT_GAMES) | set(PUZZLES)
 
 
 @pytest.mark.parametrize("game_id", sorted(CANDIDATES))
 def test_the_read_moves_are_exactly_those_the_game_accepts(game_id):
     seen = 0
-    for game in positions(game_id, games=6, max_moves=25):
+    games, max_moves = (3, 10) if game_id == "Mastermind-v0" else (6, 25)  # 365 candidates a position
+    for game in positions(game_id, games=games, max_moves=max_moves):
         legal = game.legal_moves()
         assert legal and len(set(legal)) == len(legal), (game_id, legal)
         verdicts = {move: accepted(game, move) for move in CANDIDATES[game_id]}

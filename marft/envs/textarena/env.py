@@ -20,6 +20,10 @@ to the context window keeps the rules (:meth:`TextArenaEnv.kept_heads`) and drop
 The env's state is the seed and the moves so far, replayed when needed, so it is pure, checkpointable and exactly
 resumable.
 
+A one-player game (a puzzle: GuessTheNumber, Mastermind, TowerOfHanoi ...) is played by a team of any size: the
+profile's workflow speaks in turn each team step and the answering agent's reply is the move; every agent is paid the
+game's reward (TextArena's progress score, 1 when solved), ``correct`` means solved, and task ``i`` is game seed ``i``.
+
 TextArena is optional: ``pip install "marft[games]"``.
 """
 
@@ -35,7 +39,7 @@ import numpy as np
 
 from marft.choices import GAME_VIEWS
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
-from marft.envs.profile import AgentSpec, team_profile
+from marft.envs.profile import AgentSpec, answer_agent_index, team_profile
 from marft.envs.textarena import legal
 from marft.envs.workflows import StepTurns, Workflow
 from marft.prompting import format_problem
@@ -108,20 +112,22 @@ class Game:
     ``random`` and gives the process's back afterwards. A replay from (seed, moves) is then the same game whatever
     else used ``random`` meanwhile (other envs, another replay)."""
 
-    def __init__(self, game_id: str, seed: int):
+    def __init__(self, game_id: str, seed: int, players: int = 2):
         self._random = None
+        self.players = tuple(range(players))
+        """The game's player ids: (0, 1) for a two-player game, (0,) for a puzzle."""
         with self._own_random(seed):
             self.env = _textarena().make(game_id)
-            self.env.reset(num_players=2, seed=seed)
+            self.env.reset(num_players=players, seed=seed)
         self.base = self.env
         while hasattr(self.base, "env"):  # the game itself under TextArena's wrappers (observations come from it)
             self.base = self.base.env
-        self.rules = {pid: "" for pid in (0, 1)}
-        self.unread = {pid: "" for pid in (0, 1)}
-        self.from_game = {pid: "" for pid in (0, 1)}  # the game's own messages among the unread: legal moves come from these
-        self.since_board = {pid: "" for pid in (0, 1)}  # the latest board message (TextArena's GAME_BOARD) and what followed
-        self.before_board = {pid: "" for pid in (0, 1)}  # the latest collection's lines before its first board message
-        self.has_board = {pid: False for pid in (0, 1)}
+        self.rules = {pid: "" for pid in self.players}
+        self.unread = {pid: "" for pid in self.players}
+        self.from_game = {pid: "" for pid in self.players}  # the game's own messages among the unread: legal moves come from these
+        self.since_board = {pid: "" for pid in self.players}  # the latest board message (TextArena's GAME_BOARD) and what followed
+        self.before_board = {pid: "" for pid in self.players}  # the latest collection's lines before its first board message
+        self.has_board = {pid: False for pid in self.players}
         self.done, self.result, self.forgiven = False, None, False
         self._collect()
 
@@ -145,7 +151,7 @@ class Game:
         from textarena.core import ObservationType
 
         state = self.base.state
-        for pid in (0, 1):
+        for pid in self.players:
             self.before_board[pid], board_seen = "", False
             for sender, message, kind in state.observations.get(pid, []):
                 if kind == ObservationType.PROMPT:
@@ -199,6 +205,26 @@ class Game:
         """What player ``pid`` sees now: the rules, then the messages since its previous move (``since_move``) or
         the latest board and any messages after it (``board``)."""
         return (self.rules[pid] + "\n" + (self.since_board[pid] if kind == "board" else self.unread[pid])).strip()
+
+
+def start_game(game_id: str) -> Game:
+    """Game seed 0 of ``game_id``: a two-player game, else a one-player puzzle (``Game.players`` says which).
+
+    Raises:
+        ValueError: in one line, when TextArena starts it as neither (an unknown id, a game for more players, an
+            error in TextArena) or a word game's NLTK data is missing."""
+    try:
+        return Game(game_id, 0)
+    except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
+        if isinstance(error, LookupError):  # NLTK's multi-line "Resource ... not found" banner
+            raise ValueError(missing_nltk_data(game_id, str(error))) from error
+        try:
+            return Game(game_id, 0, players=1)
+        except Exception:  # noqa: BLE001 - not a puzzle either: report the two-player error
+            pass
+        hint = "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else ""
+        raise ValueError(f"TextArena could not start {game_id!r} as a two-player game or a one-player puzzle (an unknown id, a game "
+                         f"for more players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
 
 
 class MoveWorkflow(Workflow):
@@ -262,11 +288,17 @@ class TextArenaEnv(MultiAgentTextEnv):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         self.profile = team_profile(profile or [AgentSpec(role="Player", prompt="", with_answer=True)], n_agents)
-        if len(self.profile) not in (1, 2):
+        probe = start_game(game_id)
+        self.puzzle = len(probe.players) == 1
+        """A one-player game (GuessTheNumber, Mastermind, TowerOfHanoi ...), played by the whole team: the profile's
+        workflow speaks in turn and the answering agent's reply is the move; every agent is paid the game's reward."""
+        if not self.puzzle and len(self.profile) not in (1, 2):
             raise ValueError(f"a two-player TextArena game is played by one agent (against a fixed opponent) or two "
                              f"(self-play); the profile has {len(self.profile)}: {[s.role for s in self.profile]}")
         super().__init__([spec.role for spec in self.profile], horizon=horizon if horizon > 1 else DEFAULT_MAX_MOVES)
-        self.self_play = self.n_agents == 2
+        self.self_play = not self.puzzle and self.n_agents == 2
+        self.mover = answer_agent_index(self.profile) if self.puzzle else 0
+        """Outside self-play, the agent whose reply is the move (a puzzle team's answering agent; else the one agent)."""
         self.competitive = self.self_play
         """Each agent is paid its own seat's reward in a zero-sum game (the launcher refuses a team-reward critic)."""
         if self.self_play:
@@ -278,15 +310,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         self._live: tuple[tuple, Game] | None = None  # the latest game played, keyed by (seed, moves): saves replays
         self.random_agents: frozenset[int] = frozenset()
         """Self-play: agents whose moves the random-legal-move player makes instead (:meth:`play_randomly`)."""
-        try:
-            probe = Game(game_id, 0)  # an unknown id, or a game not for two players, fails now, in one line
-        except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
-            if isinstance(error, LookupError):  # NLTK's multi-line "Resource ... not found" banner
-                raise ValueError(missing_nltk_data(game_id, str(error))) from error
-            hint = "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else ""
-            raise ValueError(f"TextArena could not start {game_id!r} as a two-player game (an unknown id, a game for another number of "
-                             f"players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
-        if not self.self_play and not probe.legal_moves():
+        if not self.self_play and not self.puzzle and not probe.legal_moves():
             raise ValueError(f"{game_id} neither lists its legal moves nor has a reader of them in marft.envs.textarena.legal, so the "
                              f"random opponent cannot play it; self-play can: a two-agent profile (--profile_path game_seats) with "
                              f"--algorithm_name APPO --credit_assignment own_turns, or GRPO --credit_assignment per_step. Games the random opponent plays: "
@@ -297,12 +321,12 @@ class TextArenaEnv(MultiAgentTextEnv):
 
     @property
     def num_tasks(self) -> int:
-        return 2 * self.n_games
+        return self.n_games if self.puzzle else 2 * self.n_games
 
     # ---- seats and turns
 
     def seat_of(self, agent: int, state: GameState) -> int:
-        return (agent + state.seat) % 2
+        return 0 if self.puzzle else (agent + state.seat) % 2
 
     def agent_of(self, seat: int, state: GameState) -> int:
         return (seat - state.seat) % 2
@@ -353,7 +377,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         rules = state.rules or tuple(state.problem if pid == state.seat else "" for pid in (0, 1))
         if self.self_play:
             return [rules[self.seat_of(agent, state)] for agent in range(self.n_agents)]
-        return [format_problem(rules[state.seat]) if rules[state.seat] else ""]
+        return [format_problem(rules[state.seat]) if rules[state.seat] else ""] * self.n_agents
 
     def play_randomly(self, roles) -> None:
         """Self-play: let the random-legal-move player move for ``roles`` (e.g. to evaluate each agent against it);
@@ -375,7 +399,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         if self._live is not None and self._live[0] == (seed, moves):
             game, self._live = self._live[1], None
             return game
-        game = Game(self.game_id, seed)
+        game = Game(self.game_id, seed, 1 if self.puzzle else 2)
         for move in moves:
             game.move(move)
         return game
@@ -409,18 +433,20 @@ class TextArenaEnv(MultiAgentTextEnv):
         if state is None:
             return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
                              moves=moves, to_move=to_move, views=views, legal=legal, retries=(0,) * self.n_agents,
-                             opponent_moves=made, rules=tuple(game.rules[pid].strip() for pid in (0, 1)))
+                             opponent_moves=made, rules=tuple(game.rules[pid].strip() for pid in game.players))
         return replace(state, history=history, moves=moves, to_move=to_move, views=views, legal=legal, opponent_moves=made)
 
     # ---- marft's hooks
 
     def sample_task(self, options: dict | None) -> dict:
         index = self.choose_task(options)
+        if self.puzzle:  # one seat: task i is game seed i
+            return {"problem": self.game_id, "answer": "win", "seat": 0, "game_seed": self.seed_offset + index}
         return {"problem": self.game_id, "answer": "win", "seat": index % 2, "game_seed": self.seed_offset + index // 2}
 
     def initial_state(self, task: dict) -> GameState:
         seat, seed = int(task["seat"]), int(task["game_seed"])
-        game = Game(self.game_id, seed)
+        game = Game(self.game_id, seed, 1 if self.puzzle else 2)
         return self._state(None, game, seat, seed, *self._opponent_moves(game, seat, seed, (), 0))
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
@@ -430,7 +456,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         """The move of the agent to move; against a fixed opponent, the opponent's until the agent moves again."""
         actions = self._check_actions(actions)
         game = self._game(state.game_seed, state.moves)
-        mover = self.agent_of(game.current_player, state) if self.self_play else 0
+        mover = self.agent_of(game.current_player, state) if self.self_play else self.mover
         game.move(actions[mover])
         forgiven = game.forgiven  # read now: the opponent's moves below run on the same game
         retries = tuple(r + (a == mover and forgiven) for a, r in enumerate(state.retries))
@@ -463,9 +489,14 @@ class TextArenaEnv(MultiAgentTextEnv):
         by_seat, game_info = game.result
         rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
         invalid = [a for a in range(self.n_agents) if game_info.get(self.seat_of(a, state), {}).get("invalid_move")]
-        info: dict[str, Any] = {"correct": rewards[0] > 0, "outcome": OUTCOMES[int(np.sign(rewards[0]))], "seat": state.seat,
+        # a puzzle's reward is its progress in [0, 1] (TextArena's): solved at 1, a win; anything less, a loss
+        won = rewards[0] >= 1.0 if self.puzzle else rewards[0] > 0
+        outcome = ("win" if won else "loss") if self.puzzle else OUTCOMES[int(np.sign(rewards[0]))]
+        info: dict[str, Any] = {"correct": won, "outcome": outcome, "seat": state.seat,
                                 "invalid_move": bool(invalid), "moves": len(state.moves), "game_moves": list(state.moves),
                                 "invalid_attempts": sum(state.retries)}
+        if self.puzzle:
+            info["progress"] = rewards[0]
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
             info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
@@ -492,7 +523,7 @@ class TextArenaEnv(MultiAgentTextEnv):
                                  "demonstrations: warm-start with transcripts of your "
                                  "own (--sft_data FILE.jsonl)")
             while not self.episode.done and self.episode.legal and len(transcripts) < n:
-                mover = self.turns.due[0]
+                mover = self.speakers()[0]
                 if recovery_share and self.np_random.random() < recovery_share:
                     self._slip(mover)
                 move = choose(self.episode) if choose else self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]
@@ -500,10 +531,10 @@ class TextArenaEnv(MultiAgentTextEnv):
                     row = {"problem": self.game_id, "private": {self.roles[mover]: self.episode.views[mover]}}
                 else:  # the view is the history (format_problem(view))
                     row = {"problem": self.episode.history.removeprefix("Problem: ").rstrip("\n")}
-                row["kept_heads"] = {self.roles[mover]: self.kept_heads()[mover]}  # what a cut keeps, as in training
-                transcripts.append({**row, "turns": [{"role": self.roles[mover], "text": move}], "task": index})
-                self.take_turn(mover, move)
-                self.step(self.turn_actions())
+                heads = self.kept_heads()
+                speakers = self._say(move)
+                row["kept_heads"] = {self.roles[a]: heads[a] for a in speakers}  # what a cut keeps, as in training
+                transcripts.append({**row, "turns": [{"role": self.roles[a], "text": move} for a in speakers], "task": index})
         return transcripts
 
     def _slip(self, mover: int) -> None:
@@ -519,5 +550,16 @@ class TextArenaEnv(MultiAgentTextEnv):
         probe = self._game(state.game_seed, state.moves)  # a replay: the game may take what looks invalid (TextArena adds brackets)
         probe.move(slip)
         if probe.forgiven:
-            self.take_turn(mover, slip)
-            self.step(self.turn_actions())
+            self._say(slip)
+
+    def _say(self, move: str) -> list[int]:
+        """The team plays ``move`` as this team step: the agent to move says it; in a puzzle, every agent in its
+        workflow's turn (the answering one's reply is the move), so a warm start shows the team proposing a move and
+        the answering agent playing it. Returns who spoke, in order."""
+        speakers = []
+        while self.speakers() and (self.puzzle or not speakers):
+            (agent, *_) = self.speakers()
+            self.take_turn(agent, move)
+            speakers.append(agent)
+        self.step(self.turn_actions())
+        return speakers

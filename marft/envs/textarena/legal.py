@@ -13,6 +13,7 @@ A game without either has no known legal moves: the random opponent is refused f
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +78,29 @@ def _breakthrough(game, player: int) -> list[str]:
     return moves
 
 
+def _guess_the_number(game, player: int) -> list[str]:
+    return [f"[{k}]" for k in range(game.min_number, game.max_number + 1) if k not in game.guessed_numbers]
+
+
+def _mastermind(game, player: int) -> list[str]:
+    state = game.state.game_state
+    digits, length = range(1, state["num_numbers"] + 1), state["code_length"]
+    codes = itertools.product(digits, repeat=length) if state["duplicate_numbers"] else itertools.permutations(digits, length)
+    guessed = [entry["guess"] for entry in state["history"]]
+    return [f"[{' '.join(map(str, code))}]" for code in codes if list(code) not in guessed]
+
+
+def _tower_of_hanoi(game, player: int) -> list[str]:
+    towers = game.state.game_state["towers"]
+    return [f"[{a} {b}]" for a in sorted(towers) for b in sorted(towers)
+            if towers[a] and (not towers[b] or towers[b][-1] >= towers[a][-1])]  # [A A] too: the game takes a no-op
+
+
+def _frozen_lake(game, player: int) -> list[str]:
+    (r, c), n = game.state.game_state["player_pos"], game.size
+    return [f"[{name}]" for name, (dr, dc) in game.actions.items() if 0 <= r + dr < n and 0 <= c + dc < n]
+
+
 def _fixed(*moves: str) -> Callable[[Any, int], list[str]]:
     return lambda game, player: list(moves)
 
@@ -91,6 +115,10 @@ READERS: dict[str, Callable[[Any, int], list[str]]] = {
     "BreakthroughEnv": _breakthrough,
     "IteratedRockPaperScissorsEnv": _fixed("[rock]", "[paper]", "[scissors]"),
     "IteratedMatchingPenniesEnv": _fixed("[heads]", "[tails]"),
+    "GuessTheNumberEnv": _guess_the_number,
+    "MastermindEnv": _mastermind,
+    "TowerOfHanoiEnv": _tower_of_hanoi,
+    "FrozenLakeEnv": _frozen_lake,
 }
 """TextArena game class name → ``reader(game, player) -> legal moves`` of ``player`` (the one to move) now."""
 
@@ -99,6 +127,10 @@ RANDOM_OPPONENT_GAMES = ("TicTacToe-v0", "KuhnPoker-v0", "PigDice-v0", "ConnectF
                          "IteratedMatchingPennies-v0")
 """Two-player games (TextArena 0.7.4) whose legal moves are known at every position: listed (the first three) or read
 (the rest). A test checks each one's moves against the game's own verdicts."""
+
+PUZZLES = ("GuessTheNumber-v0", "Mastermind-v0", "TowerOfHanoi-v0", "FrozenLake-v0")
+"""One-player games (TextArena 0.7.4) whose legal moves are read, so a team's warm start has random legal play to
+learn the move format from (``demonstrations``); other puzzles play too, warm-started from transcripts of your own."""
 
 
 def legal_moves(game, player: int, messages: str) -> list[str]:
