@@ -145,9 +145,11 @@ class Game:
             self._random = random.getstate()
             random.setstate(outer)
 
-    def _collect(self) -> None:
+    def _collect(self, mover: int | None = None) -> None:
         """Move the game's new messages for every player into ``rules`` (prompts) and ``unread`` (the rest). A
-        player's message is put on one line after its name, so its text cannot pass for the game's own lines."""
+        player's message is put on one line after its name, so its text cannot pass for the game's own lines. Some
+        games (TowerOfHanoi, Wordle, Briscola ...) echo a move under the game's own id: a ``PLAYER_ACTION`` is the
+        ``mover``'s text whoever sent it, so a reply can neither list legal moves nor write game lines."""
         from textarena.core import ObservationType
 
         state = self.base.state
@@ -157,6 +159,8 @@ class Game:
                 if kind == ObservationType.PROMPT:
                     self.rules[pid] += message.strip() + "\n"
                     continue
+                if kind == ObservationType.PLAYER_ACTION and sender == GAME_ID and mover is not None:
+                    sender = mover
                 if sender == GAME_ID:  # only the game lists legal moves
                     line = f"[GAME] {message.strip()}\n"
                     self.from_game[pid] += message.strip() + "\n"
@@ -193,7 +197,7 @@ class Game:
             self.done, _ = self.env.step(action)
             if self.done:
                 self.result = self.env.close()  # (rewards by player id, game info by player id)
-        self._collect()
+        self._collect(mover=player)
         # the move was invalid and TextArena lets the player try again
         self.forgiven = not self.done and self.current_player == player and "invalid" in self.from_game[player].lower()
         if not self.done and self.current_player == player:
@@ -289,7 +293,9 @@ class TextArenaEnv(MultiAgentTextEnv):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
         self.profile = team_profile(profile or [AgentSpec(role="Player", prompt="", with_answer=True)], n_agents)
         probe = start_game(game_id)
-        self.puzzle = len(probe.players) == 1
+        self.n_players = len(probe.players)
+        """The game's players: 2, or 1 for a puzzle."""
+        self.puzzle = self.n_players == 1
         """A one-player game (GuessTheNumber, Mastermind, TowerOfHanoi ...), played by the whole team: the profile's
         workflow speaks in turn and the answering agent's reply is the move; every agent is paid the game's reward."""
         if not self.puzzle and len(self.profile) not in (1, 2):
@@ -399,7 +405,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         if self._live is not None and self._live[0] == (seed, moves):
             game, self._live = self._live[1], None
             return game
-        game = Game(self.game_id, seed, 1 if self.puzzle else 2)
+        game = Game(self.game_id, seed, self.n_players)
         for move in moves:
             game.move(move)
         return game
@@ -446,7 +452,7 @@ class TextArenaEnv(MultiAgentTextEnv):
 
     def initial_state(self, task: dict) -> GameState:
         seat, seed = int(task["seat"]), int(task["game_seed"])
-        game = Game(self.game_id, seed, 1 if self.puzzle else 2)
+        game = Game(self.game_id, seed, self.n_players)
         return self._state(None, game, seat, seed, *self._opponent_moves(game, seat, seed, (), 0))
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
@@ -557,9 +563,8 @@ class TextArenaEnv(MultiAgentTextEnv):
         workflow's turn (the answering one's reply is the move), so a warm start shows the team proposing a move and
         the answering agent playing it. Returns who spoke, in order."""
         speakers = []
-        while self.speakers() and (self.puzzle or not speakers):
-            (agent, *_) = self.speakers()
-            self.take_turn(agent, move)
-            speakers.append(agent)
+        while (due := self.speakers()) and (self.puzzle or not speakers):
+            self.take_turn(due[0], move)
+            speakers.append(due[0])
         self.step(self.turn_actions())
         return speakers
