@@ -146,8 +146,8 @@ class AlgoConfig:
 
     algorithm_name: str = "APPO"
     """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one; GRPO: critic-free, group-relative (no critic at all)."""
-    group_size: int = 4
-    """GRPO: complete team episodes of the same task per group, at least 2 (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple)."""
+    group_size: int = 8
+    """GRPO: complete team episodes of the same task per group, at least 2 (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple). 8 by measurement: with 4, a task whose episodes all fail gives every episode advantage 0, and a team stuck on a shared miscoordination rarely draws the one success that moves it (docs/results/stability.md)."""
     grpo_scale_rewards: bool = True
     """GRPO: divide each group's centred returns by the group's standard deviation (false: centre only)."""
     credit_assignment: str = "env"
@@ -243,7 +243,7 @@ class AlgoConfig:
         if self.algorithm_name == "GRPO" and self.group_size < 2:
             raise ValueError(
                 f"--group_size {self.group_size}: GRPO compares each episode with the other episodes of its group, so a group "
-                f"of one has no spread, every advantage is 0 and nothing is learned; use --group_size 2 or more (default 4)"
+                f"of one has no spread, every advantage is 0 and nothing is learned; use --group_size 2 or more (default 8)"
             )
 
     @property
@@ -328,7 +328,12 @@ class TrainConfig:
         if self.algo.algorithm_name == "GRPO":
             groups, horizon = self.algo.group_size, self.env.horizon
             if self.runner.n_rollout_threads % groups:
-                raise ValueError(f"--group_size {groups} must divide --n_rollout_threads {self.runner.n_rollout_threads} (each group is that many envs on one task)")
+                envs = self.runner.n_rollout_threads
+                fits = [g for g in range(2, envs + 1) if envs % g == 0]
+                raise ValueError(
+                    f"--group_size {groups} must divide --n_rollout_threads {envs} (each group is that many envs on one task): "
+                    + (f"use --n_rollout_threads {groups * max(1, envs // groups + 1)} or --group_size {max(fits)}" if fits else f"use --n_rollout_threads {groups} or more")
+                )
             if self.runner.episode_length % horizon:
                 raise ValueError(
                     f"GRPO plays whole episodes: --episode_length {self.runner.episode_length} must be a multiple of --horizon {horizon} "

@@ -16,9 +16,10 @@
   writes ``learning_curve.png`` (success rate, return, per-role entropy and clip fraction, zero-advantage share
   per iteration) next to the TensorBoard logs, and gives the curve in numbers as ``curve`` (per
   ``--eval_interval`` iterations: mean training success, held-out success at the block's end, each role's entropy).
-  With ``--algorithm_name GRPO`` it plays 8 groups of ``--group_size`` envs (32 at group size 4) for the same
-  384 iterations: each update holds 16 groups (2 rounds of 8), each of one task. With 16 envs (4 groups of 4,
-  8 tasks per update) GRPO reached 0.795 on seed 0 (0.825 with twice the iterations).
+  With ``--algorithm_name GRPO`` it plays the same 32 envs as groups of ``--group_size`` (4 groups of 8 at the
+  default; 32 rounded up to a multiple of another group size) for the same 384 iterations: each update holds 2
+  rounds of groups, each group on one task. With 16 envs (4 groups of 4, 8 tasks per update) GRPO reached 0.795 on
+  seed 0 (0.825 with twice the iterations).
   ``--workflow orchestrated`` trains an orchestrator and two specialists on ``route`` (the orchestrator must call
   whoever keeps the asked box) and also reports the orchestrator's calls per role before and after;
   ``--env_name code`` trains a Reasoner -> Actor code team on the generated ``f(x)`` tasks (success: every
@@ -71,12 +72,10 @@ SHAPED_MODELS = {
 """Real checkpoints' shapes (their ``config.json``) with random weights, for ``--model NAME``: the compute and memory
 of the real model where its weights cannot be fetched (no model hub here)."""
 
-GRPO_LEARNING_GROUPS = 8
-"""Groups (tasks) per round in ``learning`` with GRPO: fewer tasks per update (4 groups of 4) learn far less
-steadily over seeds (docs/results/benchmarks.md)."""
 RELAY_LEARNING_ENVS = 32
-"""Envs per iteration in ``learning`` on ``relay_sum`` with MARFT-A or MARFT-T: 16 (the other benches' default) puts
-half the episodes into each update and leaves some seeds short of the optimum (docs/results/benchmarks.md)."""
+"""Envs per iteration in ``learning`` on ``relay_sum``, and with GRPO on any env (rounded up to a multiple of
+``--group_size``): 16 (the other benches' default) puts half the episodes into each update and leaves some seeds
+short of the optimum; GRPO with 16 envs (4 groups of 4) learned far less steadily over seeds (docs/results/benchmarks.md)."""
 
 PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solver_reflector_verifier"}
 """The shipped profile used for each ``--n_agents``."""
@@ -119,7 +118,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.n_rollout_threads is None:
         learning = args.bench == "learning"
         if learning and args.algorithm_name == "GRPO":
-            args.n_rollout_threads = GRPO_LEARNING_GROUPS * args.group_size
+            args.n_rollout_threads = -(-RELAY_LEARNING_ENVS // args.group_size) * args.group_size  # (32 / G) groups, rounded up
         else:
             args.n_rollout_threads = RELAY_LEARNING_ENVS if learning and args.env_name == "relay_sum" else 16
     if args.num_env_steps is None:

@@ -98,7 +98,8 @@ def test_default_budgets_are_iterations_and_grpo_learns_on_more_groups():
     assert bench.parse_args(["iteration"]).n_rollout_threads == 16  # timings keep their size
     grpo = bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "4"])
     assert (grpo.n_rollout_threads, grpo.num_env_steps) == (32, 384 * 32 * 2)  # 8 groups of 4, same 384 iterations
-    assert bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "2"]).n_rollout_threads == 16
+    assert bench.parse_args(["learning", "--algorithm_name", "GRPO"]).n_rollout_threads == 32  # 4 groups of 8 (the default size)
+    assert bench.parse_args(["learning", "--algorithm_name", "GRPO", "--group_size", "5"]).n_rollout_threads == 35  # 7 whole groups
     assert bench.parse_args(["iteration", "--algorithm_name", "GRPO"]).n_rollout_threads == 16  # timings: APPO's settings
     code = bench.parse_args(["learning", "--env_name", "code"])
     assert code.num_env_steps == 4096
