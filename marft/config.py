@@ -158,6 +158,10 @@ class AlgoConfig:
     """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
     frozen_roles: Optional[str] = None
     """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game); their turns still count in the critic's data."""
+    opponent: Optional[str] = None
+    """Self-play games: checkpoint:PATH plays --opponent_role with its adapter from PATH (a checkpoint or run directory of the same team: base model, profile, LoRA shape), never trained (it joins --frozen_roles), while the other roles train from --load_path or from scratch. None: every role is the team's own."""
+    opponent_role: Optional[str] = None
+    """The role played from --opponent's checkpoint (none: the profile's last role, e.g. Player B)."""
     kl_coef: Optional[float] = None
     """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, added to the policy loss in that loss's own units (MARFT-A and GRPO: a reply's KL, its tokens' combined as its log-prob is by --normalization_mode, averaged over each minibatch's replies; MARFT-T and GRPO's token-level loss: averaged over its reply tokens), so every token weighs it against its advantage alike. It keeps the agents near the protocol they start with: without it a team can drift into a private code that no single agent can leave (docs/troubleshooting.md). None (the default): 0.1 for MARFT-A and MARFT-T, 0.0125 for GRPO, whose group-relative advantages are zero on most replies once most groups all solve (docs/algorithms.md). 0: none, no reference forward."""
     kl_reference: str = "auto"

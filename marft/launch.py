@@ -27,6 +27,7 @@ from marft.envs.vector import TextVectorEnv
 from marft.envs.workflows import workflow_for
 from marft.models.loading import check_model_path, load_base_model
 from marft.runner.shared.checkpoint import find_checkpoint, read_checkpoint_meta, read_trainer_state
+from marft.runner.shared.opponent import check_opponent
 from marft.runner.shared.runner import Runner
 from marft.validation import check_device, check_output_dir
 
@@ -116,6 +117,7 @@ def validate(config: TrainConfig):
             f"--env_name {config.env.env_name} sets no num_tasks (see docs/environments.md, 'Tasks by index')"
         )
     check_competitive(config, make_train_env().unwrapped)
+    check_opponent(config, [spec.role for spec in profile], self_play=getattr(make_train_env().unwrapped, "competitive", False))
     check_frozen_roles(config, profile)
     if config.runner.load_path:
         check_work_left(config)

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from marft.runner.shared.checkpoint import (
 )
 from marft.runner.shared.diagnostics import TeamDiagnostics
 from marft.runner.shared.evaluation import evaluate_episodes
+from marft.runner.shared.opponent import team_differences
 from marft.validation import check_device, check_writable_folder
 
 logger = logging.getLogger(__name__)
@@ -315,10 +317,9 @@ def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, r
     if role not in roles:
         raise ValueError(f"--versus_role must be one of {roles} (the role that plays from --versus_checkpoint), got {role!r}")
     other_config, found = checkpoint_config(checkpoint)
-    same = ("model_name_or_path", "profile_path", "lora_r", "lora_target_modules", "shared_lora")
-    differs = [f for f in same if getattr(other_config.model, f) != getattr(config.model, f)]
+    differs = team_differences(asdict(other_config.model), config.model)
     if differs:
-        raise ValueError(f"--versus_checkpoint {found} is of another team ({', '.join(f'--{f}' for f in differs)} differ)")
+        raise ValueError(f"--versus_checkpoint {found} is of another team ({', '.join(differs)} differ)")
     adapter = team.agent_adapters[roles.index(role)]
     set_adapter_weights(team, adapter, read_adapter(found, adapter, team.device), found)
     return next(r for r in roles if r != role)

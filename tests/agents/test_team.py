@@ -248,7 +248,7 @@ def test_only_the_scheduled_agents_adapter_moves(random_model_dir, shared_lora, 
     torch.manual_seed(0)
     team = make_team(random_model_dir, shared_lora=shared_lora)
     # 4 env steps per iteration, switch every 8 env steps: the original MARFT's rule, agent (env steps // 8) % 2
-    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, agent_iteration_interval=8, ppo_epoch=1, lr=1e-2), steps_per_iteration=4)
+    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, agent_iteration_interval=8, ppo_epoch=1, lr=1e-2), steps_per_iteration=4)
     for iteration, expected_agent in [(0, 0), (1, 1), (2, 1), (3, 0), (4, 0)]:
         assert trainer.agents_to_train(iteration) == [expected_agent]
         buffer = fill_buffer(team, trainer=trainer)

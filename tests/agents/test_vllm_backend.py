@@ -158,7 +158,7 @@ def test_the_policy_loss_weights_engine_replies_by_the_correction(random_model_d
     team = make_team(random_model_dir)
     losses = {}
     for mode in ("truncate", "mask"):
-        trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, rollout_correction=mode, rollout_correction_cap=2.0, kl_coef=0.0),
+        trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, rollout_correction=mode, rollout_correction_cap=2.0, kl_coef=0.0),
                                            steps_per_iteration=4)
         if mode == "truncate":
             torch.manual_seed(1)

@@ -110,7 +110,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
     results, seen = {}, {}
     for budget in (None, "small"):
         if budget is None:
-            trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1), steps_per_iteration=8)
+            trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, ppo_epoch=1), steps_per_iteration=8)
             torch.manual_seed(0)
             buffer = fill_buffer(team, trainer=trainer)
             lengths = torch.tensor([1, 6, 2, 5, 3, 6, 1, 4])  # (T·E,) ragged replies
@@ -123,7 +123,7 @@ def test_gradient_does_not_depend_on_the_chunk_token_budget(random_model_dir, al
             budget_value = padded_tokens(policy_samples, rows) // 3  # about three chunks of the policy's minibatch
         else:
             trainer = trainer_class(algorithm)(
-                team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, max_chunk_tokens=budget_value), steps_per_iteration=8
+                team, AlgoConfig(algorithm_name=algorithm, group_size=4, ppo_epoch=1, max_chunk_tokens=budget_value), steps_per_iteration=8
             )
         chunks_seen = []
         original = trainer._minibatches

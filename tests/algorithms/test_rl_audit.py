@@ -129,7 +129,7 @@ def test_gradient_does_not_depend_on_gradient_cp_steps(random_model_dir, algorit
     perturb_adapters(team, std=0.1)
     results = {}
     for cp in (1, 4):
-        trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, normalization_mode=mode, ppo_epoch=1, gradient_cp_steps=cp), steps_per_iteration=8)
+        trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, normalization_mode=mode, ppo_epoch=1, gradient_cp_steps=cp), steps_per_iteration=8)
         if cp == 1:
             torch.manual_seed(0)
             buffer = fill_buffer(team, trainer=trainer)
@@ -282,7 +282,7 @@ def test_a_batch_that_cannot_rank_replies_moves_the_policies_only_with_update_on
     torch.manual_seed(0)
     team = make_team(random_model_dir)
     algorithm = "GRPO" if episodes == "grpo" else "APPO"
-    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, update_on_constant_rewards=update_anyway), steps_per_iteration=8)
+    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, update_on_constant_rewards=update_anyway), steps_per_iteration=8)
     buffer = fill_buffer(team, trainer=trainer)  # 2 steps; the episodes end after step 1
     if episodes == "ended":
         buffer.terminated.fill_(True)

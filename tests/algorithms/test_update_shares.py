@@ -48,7 +48,7 @@ def test_an_adapter_without_turns_is_not_stepped(random_model_dir, algorithm):
     state as they are (per-agent critics too), and is counted."""
     torch.manual_seed(0)
     team = make_team(random_model_dir, critic_mode="per_agent")
-    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1), steps_per_iteration=8)
+    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, ppo_epoch=1), steps_per_iteration=8)
     buffer = fill_buffer(team, trainer=trainer)
     samples = buffer.agent_samples(0, trainer.token_level)
     trainer.update_policy("reasoner", samples)
@@ -79,7 +79,7 @@ def test_an_agent_never_called_does_not_stop_the_run(random_model_dir, algorithm
     the other agent trains, the absent agent's adapter stays put."""
     torch.manual_seed(0)
     team = make_team(random_model_dir, critic_mode="per_agent")
-    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, ppo_epoch=1), steps_per_iteration=8)
+    trainer = trainer_class(algorithm)(team, AlgoConfig(algorithm_name=algorithm, group_size=4, ppo_epoch=1), steps_per_iteration=8)
     buffer = without_agent(fill_buffer(team, trainer=trainer), 1)
     absent = team.agent_adapters[1]
     weights = lora(team, absent)
@@ -109,7 +109,7 @@ def kl_only_update(team, algorithm: str, gradient_cp_steps: int = 1, buffer=None
     """A trainer with ``kl_coef`` 1, no standardised advantages, and agent 0's turns of a buffer with ragged
     replies (filled unless ``buffer`` is given) whose advantages are all 0: the update's gradient is the KL's alone.
     Returns the trainer, the buffer and agent 0's turns."""
-    config = AlgoConfig(algorithm_name=algorithm, ppo_epoch=1, gradient_cp_steps=gradient_cp_steps, num_mini_batch=1,
+    config = AlgoConfig(algorithm_name=algorithm, group_size=4, ppo_epoch=1, gradient_cp_steps=gradient_cp_steps, num_mini_batch=1,
                         kl_coef=1.0, normalize_advantages=False, normalization_mode=mode)
     trainer = trainer_class(algorithm)(team, config, steps_per_iteration=8)
     if buffer is None:

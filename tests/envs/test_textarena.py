@@ -490,6 +490,51 @@ def test_a_frozen_seat_keeps_its_adapter_while_the_other_trains(random_model_dir
     assert any(not torch.equal(trained["player_a"][k], initial["player_a"][k]) for k in initial["player_a"])
 
 
+@pytest.mark.slow
+def test_an_opponent_from_a_checkpoint_plays_its_seat_untrained_while_the_other_seat_trains(random_model_dir, tmp_path, capsys):
+    """--opponent checkpoint:PATH: Player B plays with its adapter from another run's checkpoint (not this run's
+    start) and never trains; Player A trains; the run's config records Player B as frozen, so a resume keeps it.
+    A checkpoint of another team (another LoRA rank) is refused before the model loads."""
+    from safetensors.torch import load_file
+
+    def adapter(run, role):
+        return load_file(run / "checkpoints" / "steps_2" / role / "adapter_model.safetensors")
+
+    opponent_run, run, untrained = tmp_path / "opponent", tmp_path / "versus", tmp_path / "untrained"
+    assert self_play_run(random_model_dir, opponent_run, "--entropy_coef", "0.1", "--seed", "7") == 0  # both seats trained
+    assert self_play_run(random_model_dir, run, "--entropy_coef", "0.1", "--opponent", f"checkpoint:{opponent_run}") == 0
+    assert self_play_run(random_model_dir, untrained, "--warmup_steps", "1000", "--entropy_coef", "0.1") == 0  # the start
+    played, source, start = adapter(run, "player_b"), adapter(opponent_run, "player_b"), adapter(untrained, "player_b")
+    assert all(torch.equal(played[k], source[k]) for k in source)  # the opponent's weights, untouched by training
+    assert any(not torch.equal(start[k], source[k]) for k in source)  # ... which are not what this run started with
+    assert any(not torch.equal(adapter(run, "player_a")[k], v) for k, v in adapter(untrained, "player_a").items())
+    assert json.loads((run / "config.json").read_text())["algo"]["frozen_roles"] == "Player B"
+    assert "Player B plays from --opponent checkpoint:" in capsys.readouterr().out
+
+    assert self_play_run(random_model_dir, tmp_path / "other", "--opponent", f"checkpoint:{opponent_run}", "--lora_r", "4") == 2
+    assert "is of another team (--lora_r differ)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--opponent", "pool:3"), "give checkpoint:PATH"),
+    (("--opponent", "checkpoint:/no/such/run"), "/no/such/run does not exist"),
+    (("--opponent_role", "Player B"), "give --opponent too"),
+])
+def test_an_opponent_is_checked_before_the_model_loads(random_model_dir, tmp_path, capsys, flags, message):
+    assert self_play_run(random_model_dir, tmp_path / "run", *flags) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_opponent_checkpoint_needs_a_self_play_game():
+    from marft.config import TrainConfig
+    from marft.runner.shared.opponent import check_opponent
+
+    config = TrainConfig()
+    config.algo.opponent = "checkpoint:runs/x"
+    with pytest.raises(ValueError, match="plays one side of a self-play game"):
+        check_opponent(config, ["Reasoner", "Actor"], self_play=False)
+
+
 @pytest.mark.parametrize("frozen, message", [("Player C", "not roles of the team"), ("Player A,Player B", "nothing would train")])
 def test_frozen_roles_are_checked_before_the_model_loads(random_model_dir, tmp_path, capsys, frozen, message):
     assert self_play_run(random_model_dir, tmp_path / "run", "--frozen_roles", frozen) == 2

@@ -28,7 +28,7 @@ from marft.config import TrainConfig
 from marft.distributed import SINGLE, Distributed
 from marft.envs.workflows import OrchestratedWorkflow
 from marft.faults import CheckpointError, CheckpointWriteError, Preempted, SaveFailed, TrainingStopped, oom_message
-from marft.runner.shared import keep_best, resume
+from marft.runner.shared import keep_best, opponent, resume
 from marft.runner.shared.best import BestTracker
 from marft.runner.shared.buffer import RolloutBuffer
 from marft.runner.shared.checkpoint import cleanup_partial_checkpoints, rng_state, save_checkpoint
@@ -240,6 +240,9 @@ class Runner:
     def _run(self) -> dict:
         if self.config.runner.load_path:
             self.restore(self.config.runner.load_path)
+        played_from = opponent.load_opponent(self.team, self.config)  # after a resume: a warm start's role is replaced
+        if played_from is not None:
+            self.log.print(f"{played_from} plays from --opponent {self.config.algo.opponent} (never trained)")
         self.init_critics()
         before, calls_before = self._evaluate_and_log(self.start_iteration)  # calls: whom an orchestrator called
         self.log.print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
