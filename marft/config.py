@@ -147,7 +147,7 @@ class AlgoConfig:
     algorithm_name: str = "APPO"
     """APPO: action-level MAPPO (MARFT-A), a whole reply is one action; TPPO: token-level (MARFT-T), each token is one; GRPO: critic-free, group-relative (no critic at all)."""
     group_size: int = 8
-    """GRPO: complete team episodes of the same task per group, at least 2 (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple). 8 by measurement: with 4, a task whose episodes all fail gives every episode advantage 0, and a team stuck on a shared miscoordination rarely draws the one success that moves it (docs/results/stability.md)."""
+    """GRPO: complete team episodes of the same task per group, at least 2 (the runner resets this many envs on one task; --n_rollout_threads per process must be a multiple). A group whose episodes all fail teaches nothing; more episodes per task make one success in it likelier (docs/algorithms.md, "Why groups of 8")."""
     grpo_scale_rewards: bool = True
     """GRPO: divide each group's centred returns by the group's standard deviation (false: centre only)."""
     credit_assignment: str = "env"
@@ -251,6 +251,11 @@ class AlgoConfig:
             )
 
     @property
+    def frozen(self) -> list[str]:
+        """The roles of ``--frozen_roles``, in order (empty: every role trains)."""
+        return [role.strip() for role in (self.frozen_roles or "").split(",") if role.strip()]
+
+    @property
     def effective_kl_coef(self) -> float:
         """The KL penalty's weight in this run: ``kl_coef``, or the algorithm's default (:data:`KL_COEF_DEFAULTS`).
         Resolved when used, not stored: a warm start's config keeps None, so a run from it with another
@@ -333,10 +338,10 @@ class TrainConfig:
             groups, horizon = self.algo.group_size, self.env.horizon
             if self.runner.n_rollout_threads % groups:
                 envs = self.runner.n_rollout_threads
-                fits = [g for g in range(2, envs + 1) if envs % g == 0]
+                largest = max((g for g in range(2, envs + 1) if envs % g == 0), default=None)  # the largest group that fits
                 raise ValueError(
                     f"--group_size {groups} must divide --n_rollout_threads {envs} (each group is that many envs on one task): "
-                    + (f"use --n_rollout_threads {groups * max(1, envs // groups + 1)} or --group_size {max(fits)}" if fits else f"use --n_rollout_threads {groups} or more")
+                    f"use --n_rollout_threads {(envs // groups + 1) * groups}" + (f" or --group_size {largest}" if largest else "")
                 )
             if self.runner.episode_length % horizon:
                 raise ValueError(

@@ -117,7 +117,9 @@ def validate(config: TrainConfig):
             f"--env_name {config.env.env_name} sets no num_tasks (see docs/environments.md, 'Tasks by index')"
         )
     check_competitive(config, make_train_env().unwrapped)
-    check_opponent(config, [spec.role for spec in profile], self_play=getattr(make_train_env().unwrapped, "competitive", False))
+    opponent_role = check_opponent(config, [spec.role for spec in profile], self_play=getattr(make_train_env().unwrapped, "competitive", False))
+    if opponent_role is not None and opponent_role not in config.algo.frozen:  # recorded in the run's config: a resume keeps it
+        config.algo.frozen_roles = ",".join([*config.algo.frozen, opponent_role])
     check_frozen_roles(config, profile)
     if config.runner.load_path:
         check_work_left(config)
@@ -136,7 +138,7 @@ def check_frozen_roles(config: TrainConfig, profile) -> None:
 
     Raises:
         ValueError: an unknown role, every role frozen, or ``--shared_lora`` (one adapter for all)."""
-    frozen = [role.strip() for role in (config.algo.frozen_roles or "").split(",") if role.strip()]
+    frozen = config.algo.frozen
     if not frozen:
         return
     roles = [spec.role for spec in profile]

@@ -18,8 +18,7 @@
   ``--eval_interval`` iterations: mean training success, held-out success at the block's end, each role's entropy).
   With ``--algorithm_name GRPO`` it plays the same 32 envs as groups of ``--group_size`` (4 groups of 8 at the
   default; 32 rounded up to a multiple of another group size) for the same 384 iterations: each update holds 2
-  rounds of groups, each group on one task. With 16 envs (4 groups of 4, 8 tasks per update) GRPO reached 0.795 on
-  seed 0 (0.825 with twice the iterations).
+  rounds of groups, each group on one task (why 32: docs/results/benchmarks.md).
   ``--workflow orchestrated`` trains an orchestrator and two specialists on ``route`` (the orchestrator must call
   whoever keeps the asked box) and also reports the orchestrator's calls per role before and after;
   ``--env_name code`` trains a Reasoner -> Actor code team on the generated ``f(x)`` tasks (success: every
@@ -47,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import resource
 import statistics
@@ -74,8 +74,7 @@ of the real model where its weights cannot be fetched (no model hub here)."""
 
 RELAY_LEARNING_ENVS = 32
 """Envs per iteration in ``learning`` on ``relay_sum``, and with GRPO on any env (rounded up to a multiple of
-``--group_size``): 16 (the other benches' default) puts half the episodes into each update and leaves some seeds
-short of the optimum; GRPO with 16 envs (4 groups of 4) learned far less steadily over seeds (docs/results/benchmarks.md)."""
+``--group_size``): 16 (the other benches' default) leaves some seeds short of the optimum (docs/results/benchmarks.md)."""
 
 PROFILES = {2: "reasoner_actor", 3: "planner_solver_verifier", 4: "planner_solver_reflector_verifier"}
 """The shipped profile used for each ``--n_agents``."""
@@ -118,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.n_rollout_threads is None:
         learning = args.bench == "learning"
         if learning and args.algorithm_name == "GRPO":
-            args.n_rollout_threads = -(-RELAY_LEARNING_ENVS // args.group_size) * args.group_size  # (32 / G) groups, rounded up
+            args.n_rollout_threads = math.ceil(RELAY_LEARNING_ENVS / args.group_size) * args.group_size  # whole groups
         else:
             args.n_rollout_threads = RELAY_LEARNING_ENVS if learning and args.env_name == "relay_sum" else 16
     if args.num_env_steps is None:

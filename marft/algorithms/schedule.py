@@ -15,7 +15,7 @@ def scheduled_agents(config: AlgoConfig, n_agents: int, profile, env_steps: int)
     unless ``--train_orchestrator false`` leaves it out; ``--frozen_roles`` are never trained)."""
     if env_steps < config.warmup_steps:
         return []
-    frozen = {role.strip() for role in (config.frozen_roles or "").split(",") if role.strip()}
+    frozen = set(config.frozen)
     trainable = list(range(n_agents))
     if frozen:
         trainable = [a for a in trainable if profile[a].role not in frozen]

@@ -30,13 +30,11 @@ from marft.runner.shared.checkpoint import (
     BEFORE_THE_FLAG,
     find_checkpoint,
     load_checkpoint,
-    read_adapter,
     read_checkpoint_meta,
-    set_adapter_weights,
 )
 from marft.runner.shared.diagnostics import TeamDiagnostics
 from marft.runner.shared.evaluation import evaluate_episodes
-from marft.runner.shared.opponent import team_differences
+from marft.runner.shared.opponent import load_role_adapter, team_differences
 from marft.validation import check_device, check_writable_folder
 
 logger = logging.getLogger(__name__)
@@ -320,8 +318,7 @@ def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, r
     differs = team_differences(asdict(other_config.model), config.model)
     if differs:
         raise ValueError(f"--versus_checkpoint {found} is of another team ({', '.join(differs)} differ)")
-    adapter = team.agent_adapters[roles.index(role)]
-    set_adapter_weights(team, adapter, read_adapter(found, adapter, team.device), found)
+    load_role_adapter(team, role, found)
     return next(r for r in roles if r != role)
 
 

@@ -3,9 +3,9 @@ team (``--opponent_role``, default the profile's last) takes its adapter from PA
 other roles train against a fixed player (a strong past run, a warm start) while they start from ``--load_path``
 or from scratch.
 
-The check runs before the model loads (:func:`check_opponent`); the weights are loaded after any resume
-(:func:`load_opponent`), so a warm start's adapter for that role is replaced and a resumed run reloads the same
-frozen weights its checkpoint holds."""
+The check runs before the model loads (:func:`check_opponent`); the weights are loaded when the run starts RL, after
+a warm start's checkpoint (:func:`load_opponent`), replacing that role's adapter. A resumed run does not reload them:
+its checkpoint holds the frozen weights it played with, even if PATH (a run directory) has a newer checkpoint since."""
 
 from __future__ import annotations
 
@@ -42,10 +42,9 @@ def opponent_role(config, roles: list[str]) -> str:
     return config.algo.opponent_role or roles[-1]
 
 
-def check_opponent(config, roles: list[str], self_play: bool) -> Path | None:
+def check_opponent(config, roles: list[str], self_play: bool) -> str | None:
     """Before the model loads: the opponent's checkpoint exists, is of this team, and its role is one of the team's
-    in a self-play game, leaving a role to train. Adds the role to ``--frozen_roles`` (recorded in the run's config:
-    a resume keeps it). Returns the checkpoint folder (None without ``--opponent``).
+    in a self-play game. Returns that role, which the caller freezes (None without ``--opponent``).
 
     Raises:
         ValueError: not a self-play game, ``--shared_lora``, an unknown role, or a checkpoint of another team.
@@ -71,10 +70,16 @@ def check_opponent(config, roles: list[str], self_play: bool) -> Path | None:
     differs = team_differences(saved.get("model", {}), config.model)
     if differs:
         raise ValueError(f"--opponent {config.algo.opponent}: {found} is of another team ({', '.join(differs)} differ)")
-    frozen = [r.strip() for r in (config.algo.frozen_roles or "").split(",") if r.strip()]
-    if role not in frozen:
-        config.algo.frozen_roles = ",".join([*frozen, role])
-    return found
+    return role
+
+
+def load_role_adapter(team, role: str, checkpoint: Path) -> None:
+    """``role``'s adapter takes its weights from ``checkpoint`` (a ``steps_<N>`` folder of the same team).
+
+    Raises:
+        CheckpointError: the checkpoint's adapter for the role is missing, unreadable or of another shape."""
+    adapter = team.agent_adapters[[spec.role for spec in team.profile].index(role)]
+    set_adapter_weights(team, adapter, read_adapter(checkpoint, adapter, team.device), checkpoint)
 
 
 def load_opponent(team, config) -> str | None:
@@ -86,9 +91,6 @@ def load_opponent(team, config) -> str | None:
     where = opponent_checkpoint(config.algo.opponent)
     if where is None:
         return None
-    roles = [spec.role for spec in team.profile]
-    role = opponent_role(config, roles)
-    found = find_checkpoint(where)
-    adapter = team.agent_adapters[roles.index(role)]
-    set_adapter_weights(team, adapter, read_adapter(found, adapter, team.device), found)
+    role = opponent_role(config, [spec.role for spec in team.profile])
+    load_role_adapter(team, role, find_checkpoint(where))
     return role
