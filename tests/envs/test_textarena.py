@@ -511,6 +511,12 @@ def test_an_opponent_from_a_checkpoint_plays_its_seat_untrained_while_the_other_
     assert json.loads((run / "config.json").read_text())["algo"]["frozen_roles"] == "Player B"
     assert "Player B plays from --opponent checkpoint:" in capsys.readouterr().out
 
+    # the opponent's run goes on (a newer checkpoint in PATH); resuming this run keeps the weights it played with
+    assert self_play_run(random_model_dir, opponent_run, "--seed", "7", "--load_path", str(opponent_run), "--num_env_steps", "36") == 0
+    assert self_play_run(random_model_dir, run, "--load_path", str(run), "--num_env_steps", "36") == 0
+    resumed = load_file(run / "checkpoints" / "steps_3" / "player_b" / "adapter_model.safetensors")
+    assert all(torch.equal(resumed[k], source[k]) for k in source)
+
     assert self_play_run(random_model_dir, tmp_path / "other", "--opponent", f"checkpoint:{opponent_run}", "--lora_r", "4") == 2
     assert "is of another team (--lora_r differ)" in capsys.readouterr().err
 

@@ -240,7 +240,7 @@ class Runner:
     def _run(self) -> dict:
         if self.config.runner.load_path:
             self.restore(self.config.runner.load_path)
-        played_from = opponent.load_opponent(self.team, self.config)  # after a resume: a warm start's role is replaced
+        played_from = opponent.load_opponent(self.team, self.config) if self.starts_rl else None  # replaces a warm start's
         if played_from is not None:
             self.log.print(f"{played_from} plays from --opponent {self.config.algo.opponent} (never trained)")
         self.init_critics()
