@@ -503,6 +503,8 @@ def bench_rollout(args) -> dict:
         "reply_tokens": reply_tokens,
         "marft_tokens_per_s": tokens / marft_s,
         "generate_tokens_per_s": tokens / generate_s,
+        "marft_reply_tokens_per_s": reply_tokens / marft_s,  # the replies' own tokens (no pads after an end)
+        "generate_reply_tokens_per_s": reply_tokens / generate_s,  # the same replies, generate's seconds
         "ratio": generate_s / marft_s,
         "generate_no_lora_tokens_per_s": tokens / base_s,
         "profile_s": {k: round(v, 4) for k, v in profile.items()},

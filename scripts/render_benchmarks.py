@@ -2,7 +2,8 @@
 """Write docs/results/benchmarks.md from the recorded results (``benchmarks/results/<suite>.json``, written by
 ``scripts/benchmark_suite.py``) and the suites' descriptions (``benchmarks/suites.yaml``): never by hand.
 Each table names its machine, commit, date and calibration reading once; every row carries its command.
-``tests/integration/test_docs.py`` fails when the committed page differs from what this prints.
+``tests/integration/test_docs.py`` fails when the committed page differs from what this prints. A suite with a
+``plot`` also gets a PNG beside the page (written, not checked).
 
     python scripts/render_benchmarks.py          # rewrites docs/results/benchmarks.md
     python scripts/render_benchmarks.py --check  # exit 1 if the page is out of date
@@ -135,6 +136,8 @@ def render_suite(name: str, suite: dict, recorded: dict) -> str:
         lines += [f"| {row['label']} | `{row['command']}` | {figure(row, suite, specs[row['label']])} | {seconds(row, suite)} |"
                   for row in members]
         parts.append(machine_line([row["run"] for row in members]) + "\n\n" + "\n".join(lines) + "\n")
+    if suite.get("plot") and rows:
+        parts.append(f"![{suite['plot']['y_label']} against {suite['plot']['x_label']}]({plot_path(name).name})\n")
     curves = curve_table(rows)
     if curves:
         parts.append(curves)
@@ -142,6 +145,57 @@ def render_suite(name: str, suite: dict, recorded: dict) -> str:
     if missing:
         parts.append(f"Not measured yet: {'; '.join(missing)}.\n")
     return "\n".join(parts)
+
+
+def plot_path(name: str) -> Path:
+    """Where a suite's plot goes: next to the page."""
+    return PAGE.parent / f"{name}.png"
+
+
+def field(result: dict, path: str):
+    """A result's field by a dotted path (``backends.vllm.reply_tokens_per_s``); None where the result lacks it."""
+    for key in path.split("."):
+        if not isinstance(result, dict) or key not in result:
+            return None
+        result = result[key]
+    return result
+
+
+def write_plot(name: str, suite: dict, recorded: dict) -> Path | None:
+    """The suite's ``plot`` (``x``, ``x_label``, ``y_label``, ``series``: label → field path) of its recorded rows, as a
+    PNG beside the page: one line per series over ``x`` (both axes logarithmic). None without a plot or rows."""
+    spec, labels = suite.get("plot"), {r["label"] for r in suite["rows"]}
+    rows = [r for r in recorded["rows"] if r["label"] in labels]
+    if not spec or not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for label, path in spec["series"].items():
+        points = sorted((field(r["result"], spec["x"]), field(r["result"], path)) for r in rows)
+        points = [(x, y) for x, y in points if x is not None and y is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=label)
+    ax.set(xscale="log", yscale="log", xlabel=spec["x_label"], ylabel=spec["y_label"], title=suite["title"].replace("`", ""))
+    ax.title.set_fontsize(9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(plot_path(name), dpi=110)
+    plt.close(fig)
+    return plot_path(name)
+
+
+def write_plots() -> None:
+    """Every suite's plot (:func:`write_plot`) from its recorded results."""
+    for name, suite in load_suites().items():
+        path = RESULTS / f"{name}.json"
+        written = write_plot(name, suite, json.loads(path.read_text())) if path.is_file() else None
+        if written:
+            print(f"wrote {written}")
 
 
 def render() -> str:
@@ -182,7 +236,10 @@ def render_readme() -> str:
 
 
 def main(argv=None) -> int:
-    return page_main({PAGE: render, README: render_readme}, "scripts/render_benchmarks.py", __doc__, argv)
+    status = page_main({PAGE: render, README: render_readme}, "scripts/render_benchmarks.py", __doc__, argv)
+    if "--check" not in (sys.argv[1:] if argv is None else argv):
+        write_plots()  # images are drawn, not compared: matplotlib's bytes differ between versions
+    return status
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.agents.headers import position_ids_from_mask
-from marft.agents.unpadded import StaticKVDecoder, fast_layer, unpadded_decoder_states
+from marft.agents.unpadded import StaticKVDecoder, fast_layer, few_rows_linear, unpadded_decoder_states
 
 if TYPE_CHECKING:
     from marft.agents.headers import RoleHeaderCache
@@ -191,7 +191,8 @@ class DecodeLoop:
         hidden, _, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
                                                          tail=1, keep_keys_values=True)  # (B, 1, H): prompts end in the last column
         static, lm_head = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens), fast_layer(model.get_output_embeddings())
-        return lm_head(hidden[:, -1]).float(), lambda t, ids, positions: lm_head(static.step(ids[:, 0], positions[:, 0])).float()
+        return (few_rows_linear(lm_head, hidden[:, -1]).float(),
+                lambda t, ids, positions: few_rows_linear(lm_head, static.step(ids[:, 0], positions[:, 0])).float())
 
     def _transformers_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
         """Each step a forward of the transformers model on its growing cache: as :meth:`_static_cache_steps`."""

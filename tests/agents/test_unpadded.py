@@ -151,3 +151,24 @@ def test_decode_loop_on_the_static_cache_samples_what_the_padded_steps_sample(ra
             ours, theirs = replies
             assert torch.equal(ours.response_ids, theirs.response_ids)
             torch.testing.assert_close(ours.logprobs, theirs.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_few_rows_linear_equals_the_linear_layer_and_steps_aside_where_it_does_not_apply(bias):
+    """The weight-major product of a decode step (:func:`few_rows_linear`) gives the layer's output to float32
+    rounding for a few rows; under autograd, for many rows and for a layer that is not a plain ``nn.Linear`` (a LoRA
+    layer) it is the layer's own call, bit for bit."""
+    from marft.agents.unpadded import FEW_ROWS, few_rows_linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias)
+    few, many = torch.randn(6, 48), torch.randn(FEW_ROWS + 1, 48)
+    with torch.no_grad():
+        ours = few_rows_linear(layer, few)
+        assert ours.shape == (6, 80) and ours.is_contiguous()
+        torch.testing.assert_close(ours, layer(few), atol=1e-5, rtol=1e-5)
+        assert torch.equal(few_rows_linear(layer, many), layer(many))
+        wrapped = torch.nn.Sequential(layer)  # any other module: called as it is
+        assert torch.equal(few_rows_linear(wrapped, few), layer(few))
+    traced = few_rows_linear(layer, few)
+    assert traced.requires_grad and torch.equal(traced, layer(few))

@@ -116,6 +116,23 @@ def test_the_suite_definitions_are_well_formed(tmp_path):
         render_benchmarks.load_suites(bad)
 
 
+def test_a_suite_with_a_plot_draws_each_series_from_its_rows_and_the_page_shows_it(tmp_path, monkeypatch):
+    """A suite's ``plot`` (x, series of dotted field paths) becomes a PNG beside the page, linked under its table; a row
+    without a series' field leaves that point out."""
+    monkeypatch.setattr(render_benchmarks, "PAGE", tmp_path / "benchmarks.md")
+    suite = {"title": "t", "about": "a", "reads": "last_json_line", "figure": "{a:.0f}",
+             "plot": {"x": "n", "x_label": "envs", "y_label": "tokens/s", "series": {"ours": "a", "theirs": "b.c"}},
+             "rows": [{"label": f"{n} envs", "command": f"run {n}"} for n in (1, 4)]}
+    run = {"date": "d", "commit": "c", "machine": {"cpu": "x", "cores": 2, "python": "3", "torch": "2"}}
+    recorded = {"rows": [{"label": "1 envs", "command": "run 1", "run": run, "command_seconds": 1.0, "result": {"n": 1, "a": 10.0, "b": {"c": 5.0}}},
+                         {"label": "4 envs", "command": "run 4", "run": run, "command_seconds": 1.0, "result": {"n": 4, "a": 30.0}}]}
+    path = render_benchmarks.write_plot("speed_by_batch", suite, recorded)
+    assert path == tmp_path / "speed_by_batch.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![tokens/s against envs](speed_by_batch.png)" in render_benchmarks.render_suite("speed_by_batch", suite, recorded)
+    assert render_benchmarks.field(recorded["rows"][1]["result"], "b.c") is None
+    assert render_benchmarks.write_plot("none", {**suite, "plot": None}, recorded) is None
+
+
 def test_the_docs_site_builds_strictly(tmp_path):
     """``mkdocs build --strict``: a broken link, a missing anchor or a page left out of the nav fails it."""
     mkdocs = tool("mkdocs")
