@@ -162,8 +162,14 @@ class RoleHeaderCache:
         return self._detached_copy(sources, copies), header_ids, header_mask
 
     def forward_headers(self, header_ids: torch.Tensor, header_mask: torch.Tensor):
-        """One forward of left-padded headers ``(n, Hmax)`` through the active adapter → their cache."""
+        """One forward of left-padded headers ``(n, Hmax)`` through the active adapter → their cache. With
+        :attr:`unpadded_forward` it runs on the headers' real tokens (keys and values are all it keeps: the last
+        layer's queries and MLP run on one column only), pads' keys and values zero (every row masks them)."""
         decoder = self.bank.model.get_base_model().get_decoder()
+        if self.unpadded_forward:
+            positions = position_ids_from_mask(header_mask)
+            _, _, keys_values = unpadded_decoder_states(decoder, None, header_ids, header_mask, positions, tail=1, keep_keys_values=True)
+            return DynamicCache(keys_values)  # per layer (keys, values) (n, kv, Hmax, d)
         return decoder(
             input_ids=header_ids, attention_mask=header_mask, position_ids=position_ids_from_mask(header_mask), use_cache=True,
         ).past_key_values  # header positions 0..h_a-1, as in every row of agent a

@@ -137,8 +137,8 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
     Returns ``(hidden, (keys, values) of shape (B, kv, C + S, d))``."""
     attn, (n_heads, n_kv, head_dim), B, S = layer.self_attn, heads, layout.B, layout.S
     x = layer.input_layernorm(hidden)  # (N, H)
-    k = attn.k_proj(x).view(-1, n_kv, head_dim)  # (N, kv, d)
-    v = attn.v_proj(x).view(-1, n_kv, head_dim)
+    k = few_rows_linear(fast_layer(attn.k_proj), x).view(-1, n_kv, head_dim)  # (N, kv, d)
+    v = few_rows_linear(fast_layer(attn.v_proj), x).view(-1, n_kv, head_dim)
     if hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms before the rotary positions
         k = attn.k_norm(k)
     k = _rotary(k, layout.cos, layout.sin)
@@ -154,7 +154,7 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
         q_cos, q_sin = layout.rows(layout.cos)[:, S - tail :], layout.rows(layout.sin)[:, S - tail :]  # (B, tail, 1, d)
         query_mask = layout.allowed[:, :, S - tail :]
     else:
-        q = attn.q_proj(x).view(-1, n_heads, head_dim)  # (N, h, d)
+        q = few_rows_linear(fast_layer(attn.q_proj), x).view(-1, n_heads, head_dim)  # (N, h, d)
         q_cos, q_sin, query_mask = layout.cos, layout.sin, layout.allowed
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
@@ -164,8 +164,8 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
         q_rows, k_rows, v_rows, attn_mask=query_mask, scale=attn.scaling, enable_gqa=n_heads != n_kv,
     ).transpose(1, 2)  # (B, S or tail, h, d)
     out = out.reshape(B, tail, n_heads * head_dim) if tail is not None else out.reshape(B * S, n_heads * head_dim)[layout.flat]
-    hidden = hidden + attn.o_proj(out)  # (B, tail, H) or (N, H)
-    hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+    hidden = hidden + few_rows_linear(fast_layer(attn.o_proj), out)  # (B, tail, H) or (N, H)
+    hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
     return hidden, (k_rows, v_rows)
 
 
@@ -175,7 +175,7 @@ def head_counts(config) -> tuple[int, int, int]:
     return n_heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // n_heads
 
 
-FEW_ROWS = 128
+FEW_ROWS = 256
 """Up to this many rows, :func:`few_rows_linear` multiplies weight-major on CPU (measured faster up to ~256 rows)."""
 
 
@@ -185,13 +185,21 @@ def few_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     A decode step multiplies a few rows (one per env) by every weight of the model. CPU BLAS computes ``x Wᵀ`` for
     such M far below its speed on the same bytes as ``W xᵀ`` (2 cores, marft's 4-layer test model, 4 rows: 2.2 against
-    0.7 ms for one step's 29 products; at 128 rows still 9.1 against 6.7; from ~512 rows ``x Wᵀ`` is faster). The
+    0.7 ms for one step's 29 products; at 128 rows 9.1 against 6.7, at 256 12.8 against 11.4; from ~512 rows ``x Wᵀ``
+    is faster). Role headers and short prompts run through it too. The
     sums are the same products in another order: equal to float32 rounding (``tests/agents/test_unpadded.py``).
     Anything else (an adapter layer, a GPU, a forward under autograd, many rows) is called as it is."""
     if type(layer) is not nn.Linear or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > FEW_ROWS or torch.is_grad_enabled():
         return layer(x)
     out = torch.mm(layer.weight, x.t()).t().contiguous()  # (M, out)
     return out if layer.bias is None else out.add_(layer.bias)
+
+
+def gated_mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP of the Llama family, ``down(act(gate(x)) * up(x))`` (the module's own forward, op for op), its layers
+    called as :func:`fast_layer` and :func:`few_rows_linear` say."""
+    gate, up = few_rows_linear(fast_layer(mlp.gate_proj), x), few_rows_linear(fast_layer(mlp.up_proj), x)
+    return few_rows_linear(fast_layer(mlp.down_proj), mlp.act_fn(gate) * up)
 
 
 def fast_layer(module: nn.Module) -> nn.Module:
@@ -234,12 +242,6 @@ class StaticKVDecoder:
             for layer in layers
         ]
 
-    @staticmethod
-    def _mlp(mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP of the Llama family, ``down(act(gate(x)) * up(x))``, its layers called as :func:`fast_layer` says."""
-        gate, up = few_rows_linear(fast_layer(mlp.gate_proj), x), few_rows_linear(fast_layer(mlp.up_proj), x)
-        return few_rows_linear(fast_layer(mlp.down_proj), mlp.act_fn(gate) * up)
-
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append ``tokens (B,)`` at ``positions (B,)``; → the final-norm hidden states ``(B, H)`` after them."""
@@ -266,6 +268,6 @@ class StaticKVDecoder:
                 scale=attn.scaling, enable_gqa=n_heads != n_kv,
             )  # (B, h, 1, d)
             hidden = hidden + few_rows_linear(o_proj, out.reshape(B, n_heads * head_dim))
-            hidden = hidden + self._mlp(mlp, post_norm(hidden))
+            hidden = hidden + gated_mlp(mlp, post_norm(hidden))
         self.steps += 1
         return decoder.norm(hidden)

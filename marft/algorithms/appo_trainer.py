@@ -18,6 +18,7 @@ from marft.agents.team import AgentTeam
 from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_action_advantages, fill_own_turn_advantages
 from marft.algorithms.losses import clipped_value_loss
 from marft.algorithms.ppo import PPOTrainer, _nanmean
+from marft.algorithms.steps import adamw
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
 from marft.runner.shared.buffer import RolloutBuffer
@@ -32,7 +33,7 @@ class APPOTrainer(PPOTrainer):
     def __init__(self, team: AgentTeam, config: AlgoConfig, steps_per_iteration: int, dist: Distributed = SINGLE):
         super().__init__(team, config, steps_per_iteration, dist)
         self.critic_optimizers = {
-            critic: torch.optim.AdamW(team.critic.trainable_parameters(critic), lr=config.critic_lr, weight_decay=0.0)
+            critic: adamw(team.critic.trainable_parameters(critic), config.critic_lr)
             for critic in team.critic_adapters
         }
         """Per critic adapter (one shared, or one per agent with ``--critic_mode per_agent``), its optimizer."""

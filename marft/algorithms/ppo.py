@@ -22,7 +22,7 @@ from marft.algorithms.advantages import batch_ranks_replies
 from marft.algorithms.batching import Minibatch
 from marft.algorithms.chunk_budget import budget_source, chunk_token_budget
 from marft.algorithms.losses import batch_correction_weights, clipped_policy_loss, normalize_logprobs
-from marft.algorithms.steps import GuardedSteps
+from marft.algorithms.steps import GuardedSteps, adamw
 from marft.config import AlgoConfig
 from marft.distributed import SINGLE, Distributed
 from marft.runner.shared.buffer import RolloutBuffer
@@ -52,7 +52,7 @@ class PPOTrainer:
         self.steps_per_iteration = steps_per_iteration
         """Environment steps one iteration collects: the schedule (``warmup_steps``, ``agent_iteration_interval``) counts env steps."""
         self.policy_optimizers = {
-            adapter: torch.optim.AdamW(team.adapter_parameters(adapter), lr=config.lr, weight_decay=0.0)
+            adapter: adamw(team.adapter_parameters(adapter), config.lr)
             for adapter in team.policy_adapters
         }
         self.critic_optimizers: dict[str, torch.optim.Optimizer] = {}

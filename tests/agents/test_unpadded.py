@@ -1,6 +1,8 @@
 """The forward on real tokens only (``--unpadded_forward``, :mod:`marft.agents.unpadded`): the same hidden
 states, log-probs, values and gradients as transformers' padded forward, for each supported architecture."""
 
+import dataclasses
+
 import pytest
 import torch
 from test_shared_header_update import assert_same_gradients, gradients, rollout
@@ -172,3 +174,42 @@ def test_few_rows_linear_equals_the_linear_layer_and_steps_aside_where_it_does_n
         assert torch.equal(few_rows_linear(wrapped, few), layer(few))
     traced = few_rows_linear(layer, few)
     assert traced.requires_grad and torch.equal(traced, layer(few))
+
+
+def test_checking_for_the_end_every_few_steps_samples_the_same_replies(random_model_dir):
+    """Asking whether every row has ended only every k steps (what a GPU does, to spare a synchronisation per token)
+    gives the same replies and log-probs as asking every step: the extra steps give ended rows pads, masked out."""
+    from test_team import HISTORIES
+
+    from marft.agents.generation import DecodeLoop
+
+    team, _, _ = rollout(random_model_dir, "APPO")
+    assert isinstance(team.backend, DecodeLoop) and team.backend._stop_check_every(torch.device("cpu")) == 1
+    settings = team.backend.settings
+    bonus = torch.zeros(team.model.config.vocab_size)
+    bonus[settings.eos_id] = 6.0  # the random model's replies end within a few tokens, so every row ends early
+
+    @dataclasses.dataclass(frozen=True)
+    class EndingSoon(type(settings)):
+        def scoring_logits(self, logits):
+            return super().scoring_logits(logits) + bonus[: logits.shape[-1]]
+
+    ids, mask = team.encode_prompts(0, HISTORIES * 2, [[]] * 6, ["x = 7"] * 6)
+    replies, drawn_after = [], []
+    try:
+        fields = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+        team.backend.settings = EndingSoon(**{**fields, "max_new_tokens": 24})
+        for every in (1, 5):
+            team.backend.stop_check_every = every
+            torch.manual_seed(3)
+            replies.append(team.sample(team.agent_adapters[0], ids, mask, 0))
+            drawn_after.append(torch.rand(1))  # the extra steps draw random numbers: the stream moves on
+    finally:
+        team.backend.stop_check_every, team.backend.settings = None, settings
+    (each, fifth) = replies
+    ended = each.response_mask.sum(1)
+    assert ended.max() < 24 - 5 and ended.max() % 5 != 0, f"the rows must all end early, between two checks: {ended}"
+    assert not torch.equal(*drawn_after)  # the every-5 loop ran on past the last end
+    assert torch.equal(each.response_ids * each.response_mask, fifth.response_ids * fifth.response_mask)
+    assert torch.equal(each.response_mask, fifth.response_mask)
+    assert torch.equal(each.logprobs, fifth.logprobs)

@@ -76,6 +76,10 @@ def test_iteration_bench_reports_time_and_memory(random_model_dir):
     assert result["seconds_per_iteration"] == pytest.approx(result["rollout_s"] + result["update_s"])
     assert result["peak_rss_mib"] > 0 and result["adapter_params_m"] > 0
     assert 0 < result["update_bound_s"] < result["update_s"]  # the --max_update_kl line search runs (the default), inside the update
+    # the update's FLOPs counted by torch and its utilization of this machine's large-product rate
+    assert result["update_tflop"] > 0 and result["peak_matmul_tflops"] > 0
+    assert result["update_mfu"] == pytest.approx(result["update_tflops_per_s"] / result["peak_matmul_tflops"])
+    assert 0 < result["update_mfu"] < 1.5  # a measured peak, not the data sheet's: a little above 1 would still be honest
     unbounded = run_bench("iteration", "--model", random_model_dir, "--repeats", "1", "--max_update_kl", "none", *TINY)
     assert unbounded["update_bound_s"] == 0 and unbounded["cut_updates"] == 0
 
