@@ -67,7 +67,7 @@ CREDIT_MODES = {
                      "depends on the turns taken after it (by design)",
     "per_step": "every turn is credited with its own agent's reward from the environment (StepOutcome.rewards), "
                 "each of an agent's turns alike",
-    "own_turns": "MARFT-A self-play: each agent's turns form a chain of their own, a turn paid its agent's rewards until "
+    "own_turns": "MARFT-A and MARFT-T self-play: each agent's turns form a chain of their own, a turn paid its agent's rewards until "
                  "that agent's next turn (the opponent's moves and the game's end included) and bootstrapping from the "
                  "agent's own next turn, never the opponent's; the collector plays rounds of whole episodes "
                  "(--episode_length a multiple of --horizon). With --critic_mode per_agent each seat has its own critic",

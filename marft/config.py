@@ -349,9 +349,9 @@ class TrainConfig:
                     f"(each iteration plays episode_length / horizon rounds of group episodes)"
                 )
         if self.algo.credit_assignment == "own_turns":
-            if self.algo.algorithm_name != "APPO":
+            if self.algo.algorithm_name not in ("APPO", "TPPO"):
                 raise ValueError(f"--credit_assignment own_turns (each agent's own chain of turns, for self-play) trains with "
-                                 f"--algorithm_name APPO, not {self.algo.algorithm_name} (GRPO self-play: --credit_assignment per_step)")
+                                 f"--algorithm_name APPO or TPPO, not {self.algo.algorithm_name} (GRPO self-play: --credit_assignment per_step)")
             if self.runner.episode_length % self.env.horizon:
                 raise ValueError(f"--credit_assignment own_turns plays whole episodes: --episode_length {self.runner.episode_length} "
                                  f"must be a multiple of --horizon {self.env.horizon}")

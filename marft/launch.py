@@ -153,7 +153,7 @@ def check_frozen_roles(config: TrainConfig, profile) -> None:
 
 def check_competitive(config: TrainConfig, env) -> None:
     """A competitive env (self-play: each agent paid its own side of a zero-sum game) trains only with each agent's
-    own reward: GRPO with ``--credit_assignment per_step``, or MARFT-A (APPO) with ``--credit_assignment own_turns``
+    own reward: GRPO with ``--credit_assignment per_step``, or MARFT-A or MARFT-T (APPO, TPPO) with ``--credit_assignment own_turns``
     (each agent's own chain of turns and critic values). A critic of the team reward (the agents' mean: 0 in a
     zero-sum game), the agent chain across both seats, or any other credit mode would teach the agents nothing, or
     against their own interest.
@@ -166,10 +166,10 @@ def check_competitive(config: TrainConfig, env) -> None:
     algo = config.algo
     if trainer_class(algo.algorithm_name).group_relative and algo.credit_assignment == "per_step":
         return
-    if algo.algorithm_name == "APPO" and algo.credit_assignment == "own_turns":
+    if algo.algorithm_name in ("APPO", "TPPO") and algo.credit_assignment == "own_turns":
         return
     raise ValueError(f"--env_name {config.env.env_name} with a {len(env.roles)}-agent profile is self-play (each agent is "
-                     "paid its own side of the game): train it with --algorithm_name APPO --credit_assignment own_turns "
+                     "paid its own side of the game): train it with --algorithm_name APPO (or TPPO) --credit_assignment own_turns "
                      "(--critic_mode per_agent: a critic per seat) or --algorithm_name GRPO --credit_assignment per_step "
                      f"(not {algo.algorithm_name} with --credit_assignment {algo.credit_assignment})")
 

@@ -175,20 +175,20 @@ def head_counts(config) -> tuple[int, int, int]:
     return n_heads, config.num_key_value_heads, getattr(config, "head_dim", None) or config.hidden_size // n_heads
 
 
-FEW_ROWS = 256
-"""Up to this many rows, :func:`few_rows_linear` multiplies weight-major on CPU (measured faster up to ~256 rows)."""
+FEW_ROWS = 64
+"""Up to this many rows, :func:`few_rows_linear` multiplies weight-major on CPU (see there for the measurements)."""
 
 
 def few_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` for ``x (M, in)``; when ``layer`` is a plain ``nn.Linear`` on CPU, no gradient is recorded and M is
     at most :data:`FEW_ROWS`, computed weight-major, ``(W xᵀ)ᵀ + b``.
 
-    A decode step multiplies a few rows (one per env) by every weight of the model. CPU BLAS computes ``x Wᵀ`` for
-    such M far below its speed on the same bytes as ``W xᵀ`` (2 cores, marft's 4-layer test model, 4 rows: 2.2 against
-    0.7 ms for one step's 29 products; at 128 rows 9.1 against 6.7, at 256 12.8 against 11.4; from ~512 rows ``x Wᵀ``
-    is faster). Role headers and short prompts run through it too. The
-    sums are the same products in another order: equal to float32 rounding (``tests/agents/test_unpadded.py``).
-    Anything else (an adapter layer, a GPU, a forward under autograd, many rows) is called as it is."""
+    A decode step multiplies a few rows (one per env) by every weight of the model, and CPU BLAS computes ``x Wᵀ``
+    for a few rows well below its speed on the same bytes as ``W xᵀ``: on 2 cores a decode step of 4 rows takes about
+    40 % less time this way, of 16 to 64 rows a few % less, and from about 128 rows (or a forward of a 100-token
+    prompt) more, hence the threshold. The sums are the same products in another order: equal to float32 rounding
+    (``tests/agents/test_unpadded.py``). Anything else (an adapter layer, a GPU, a forward under autograd, more
+    rows) is called as it is."""
     if type(layer) is not nn.Linear or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > FEW_ROWS or torch.is_grad_enabled():
         return layer(x)
     out = torch.mm(layer.weight, x.t()).t().contiguous()  # (M, out)

@@ -170,13 +170,7 @@ def own_turn_gae(
     T, E, S = agents.shape
     N = agent_rewards.shape[-1]
     played = played.bool()
-    if truncated is not None and truncated.any():
-        raise ValueError("--credit_assignment own_turns needs episodes that end (terminated); one was truncated, and an "
-                         "agent's chain cannot bootstrap from the first speaker's value of its final observation")
-    ended_after = torch.flip(torch.cummax(torch.flip(terminated.bool(), [0]).long(), dim=0).values, [0]).bool()  # (T, E): an end at t or later
-    if (played & ~ended_after.unsqueeze(-1)).any():
-        raise ValueError("--credit_assignment own_turns needs whole episodes in each rollout (rounds of --horizon steps); "
-                         "a turn's episode did not end within it")
+    _check_whole_episodes(played, terminated, truncated)
     dtype, envs = values.dtype, torch.arange(E, device=values.device)
     advantages = torch.zeros(T, E, S, dtype=dtype, device=values.device)
     next_value = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) each agent's next own turn: value
@@ -194,6 +188,74 @@ def own_turn_gae(
             rows, own = envs[here], agent[here]
             next_value[rows, own], next_adv[rows, own], pending[rows, own] = values[t, here, s], adv[here], 0.0
     return advantages, torch.where(played, advantages + values[:T], torch.zeros_like(advantages))
+
+
+def _check_whole_episodes(played: torch.Tensor, terminated: torch.Tensor, truncated: torch.Tensor | None) -> None:
+    """``--credit_assignment own_turns``: every played turn's episode ends within the rollout, none truncated.
+
+    Raises:
+        ValueError: an episode was truncated, or a turn's episode does not end within the rollout."""
+    if truncated is not None and truncated.any():
+        raise ValueError("--credit_assignment own_turns needs episodes that end (terminated); one was truncated, and an "
+                         "agent's chain cannot bootstrap from the first speaker's value of its final observation")
+    ended_after = torch.flip(torch.cummax(torch.flip(terminated.bool(), [0]).long(), dim=0).values, [0]).bool()  # (T, E): an end at t or later
+    if (played.bool() & ~ended_after.unsqueeze(-1)).any():
+        raise ValueError("--credit_assignment own_turns needs whole episodes in each rollout (rounds of --horizon steps); "
+                         "a turn's episode did not end within it")
+
+
+def own_turn_rewards(agent_rewards: torch.Tensor, agents: torch.Tensor, played: torch.Tensor, terminated: torch.Tensor) -> torch.Tensor:
+    """Each turn's reward along its own agent's chain (as :func:`own_turn_gae` pays it): its agent's rewards from the
+    turn's step until that agent's next turn or the episode's end, summed. ``agent_rewards (T, E, N)``, ``agents,
+    played (T, E, S)``, ``terminated (T, E)`` → ``(T, E, S)``, 0 on empty slots."""
+    T, E, S = agents.shape
+    N = agent_rewards.shape[-1]
+    played, envs = played.bool(), torch.arange(E, device=agents.device)
+    rewards = torch.zeros(T, E, S, dtype=agent_rewards.dtype, device=agents.device)
+    pending = torch.zeros(E, N, dtype=agent_rewards.dtype, device=agents.device)  # (E, N) rewards not yet paid to a turn
+    for t in range(T - 1, -1, -1):
+        pending = pending * (~terminated[t].bool()).to(pending.dtype).unsqueeze(-1) + agent_rewards[t]
+        for s in range(S - 1, -1, -1):
+            here, agent = played[t, :, s], agents[t, :, s].clamp(min=0)  # (E,) each
+            rewards[t, :, s] = torch.where(here, pending[envs, agent], torch.zeros_like(rewards[t, :, s]))
+            pending[envs[here], agent[here]] = 0.0
+    return rewards
+
+
+def own_turn_token_gae(
+    agent_rewards: torch.Tensor,
+    token_values: torch.Tensor,
+    response_mask: torch.Tensor,
+    agents: torch.Tensor,
+    played: torch.Tensor,
+    terminated: torch.Tensor,
+    gamma: float,
+    gae_lambda: float,
+    token_gamma: float = 1.0,
+    token_gae_lambda: float = 1.0,
+    truncated: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level advantages along each agent's own chain of turns (MARFT-T self-play, ``--credit_assignment
+    own_turns``): for each agent, :func:`token_chain_gae` over its turns alone (every other turn an empty slot the
+    chain passes over), a turn paid :func:`own_turn_rewards` at its last token and bootstrapping from the first token
+    of its agent's next turn. With ``token_gamma = token_gae_lambda = 1`` a turn's first token gets :func:`own_turn_gae`'s
+    advantage of that turn valued at its first token (a test checks it).
+
+    Args: as :func:`own_turn_gae`; ``token_values, response_mask (T, E, S, L)`` as :func:`token_chain_gae`.
+    Returns ``advantages (T, E, S, L)`` and ``returns (T, E, S, L)``, 0 at padding and on empty slots.
+    Raises: as :func:`own_turn_gae`."""
+    T, E, S, L = token_values.shape
+    played = played.bool()
+    _check_whole_episodes(played, terminated, truncated)
+    turn_rewards = own_turn_rewards(agent_rewards, agents, played, terminated).to(token_values.dtype)  # (T, E, S)
+    advantages = torch.zeros_like(token_values)
+    for agent in range(agent_rewards.shape[-1]):
+        mine = played & (agents == agent)  # (T, E, S)
+        own, _ = token_chain_gae(turn_rewards * mine, token_values, response_mask * mine.unsqueeze(-1), token_values.new_zeros(E),
+                                 terminated, gamma, gae_lambda, token_gamma, token_gae_lambda)
+        advantages += own * mine.unsqueeze(-1)
+    mask = response_mask.to(token_values.dtype) * played.unsqueeze(-1)
+    return advantages * mask, (advantages + token_values) * mask
 
 
 def discount_matrix(length: int, discount: float, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -437,6 +499,15 @@ def fill_own_turn_advantages(buffer, gamma: float, gae_lambda: float) -> None:
     (:func:`own_turn_gae`, ``--credit_assignment own_turns``)."""
     buffer.advantages, buffer.returns = own_turn_gae(
         buffer.agent_rewards, buffer.values, buffer.agent, buffer.played, buffer.terminated, gamma, gae_lambda, truncated=buffer.truncated,
+    )
+
+
+def fill_own_turn_token_advantages(buffer, gamma: float, gae_lambda: float, token_gamma: float, token_gae_lambda: float) -> None:
+    """A rollout buffer's token-level advantages and returns along each agent's own chain of turns
+    (:func:`own_turn_token_gae`, MARFT-T with ``--credit_assignment own_turns``)."""
+    buffer.token_advantages, buffer.token_returns = own_turn_token_gae(
+        buffer.agent_rewards, buffer.token_values, buffer.response_mask, buffer.agent, buffer.played, buffer.terminated,
+        gamma, gae_lambda, token_gamma, token_gae_lambda, truncated=buffer.truncated,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_token_advantages
+from marft.algorithms.advantages import buffer_credits, chain_rewards, fill_own_turn_token_advantages, fill_token_advantages
 from marft.algorithms.appo_trainer import APPOTrainer
 from marft.algorithms.losses import clipped_policy_loss, clipped_value_loss
 from marft.runner.shared.buffer import RolloutBuffer
@@ -23,7 +23,11 @@ class TPPOTrainer(APPOTrainer):
     token_level = True
 
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
+        """Token level: GAE along the agent chain's tokens (``own_turns``: along each agent's own chain of turns, for
+        self-play)."""
         cfg = self.config
+        if cfg.credit_assignment == "own_turns":
+            return fill_own_turn_token_advantages(buffer, cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda)
         fill_token_advantages(buffer, cfg.gamma, cfg.gae_lambda, cfg.token_gamma, cfg.token_gae_lambda, self.chain_rewards(buffer))
 
     def chain_rewards(self, buffer: RolloutBuffer) -> torch.Tensor | None:

@@ -120,7 +120,8 @@ def test_self_play_demonstrations_carry_each_movers_own_view():
                                        (("--algorithm_name", "TPPO", "--credit_assignment", "per_step"), False),
                                        (("--algorithm_name", "APPO", "--credit_assignment", "per_step"), False),
                                        (("--algorithm_name", "GRPO", "--credit_assignment", "per_step"), True),
-                                       (("--algorithm_name", "APPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent"), True)])
+                                       (("--algorithm_name", "APPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent"), True),
+                                       (("--algorithm_name", "TPPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent"), True)])
 def test_self_play_trains_only_on_each_agents_own_reward(random_model_dir, tmp_path, capsys, flags, ok):
     from marft.cli.train import main
 
@@ -133,7 +134,7 @@ def test_self_play_trains_only_on_each_agents_own_reward(random_model_dir, tmp_p
         assert code == 0 and json.loads((tmp_path / "run" / "summary.json").read_text())["iterations"] == 1
     else:
         err = capsys.readouterr().err
-        assert code == 2 and "--algorithm_name APPO --credit_assignment own_turns" in err and "GRPO --credit_assignment per_step" in err
+        assert code == 2 and "--algorithm_name APPO (or TPPO) --credit_assignment own_turns" in err and "GRPO --credit_assignment per_step" in err
 
 
 def test_seats_rotate_over_tasks_and_the_game_decides_the_outcome():

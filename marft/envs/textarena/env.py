@@ -319,7 +319,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         if not self.self_play and not self.puzzle and not probe.legal_moves():
             raise ValueError(f"{game_id} neither lists its legal moves nor has a reader of them in marft.envs.textarena.legal, so the "
                              f"random opponent cannot play it; self-play can: a two-agent profile (--profile_path game_seats) with "
-                             f"--algorithm_name APPO --credit_assignment own_turns, or GRPO --credit_assignment per_step. Games the random opponent plays: "
+                             f"--algorithm_name APPO (or TPPO) --credit_assignment own_turns, or GRPO --credit_assignment per_step. Games the random opponent plays: "
                              f"{', '.join(legal.RANDOM_OPPONENT_GAMES)}")
         if view == "board" and not probe.has_board[probe.current_player]:
             raise ValueError(f"{game_id} shows no board at its start (a message TextArena marks GAME_BOARD), so the 'board' view "
