@@ -169,6 +169,7 @@ def write_plot(name: str, suite: dict, recorded: dict) -> Path | None:
     if not spec or not rows:
         return None
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -180,6 +181,9 @@ def write_plot(name: str, suite: dict, recorded: dict) -> Path | None:
         if points:
             ax.plot(*zip(*points), marker="o", label=label)
     ax.set(xscale="log", yscale="log", xlabel=spec["x_label"], ylabel=spec["y_label"], title=suite["title"].replace("`", ""))
+    xs = sorted({x for r in rows if (x := field(r["result"], spec["x"])) is not None})
+    ax.set_xticks(xs, [f"{x:g}" for x in xs], minor=False)
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     ax.title.set_fontsize(9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
