@@ -159,9 +159,11 @@ class AlgoConfig:
     frozen_roles: Optional[str] = None
     """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game); their turns still count in the critic's data."""
     opponent: Optional[str] = None
-    """Self-play games: checkpoint:PATH plays --opponent_role with its adapter from PATH (a checkpoint or run directory of the same team: base model, profile, LoRA shape), never trained (it joins --frozen_roles), while the other roles train from --load_path or from scratch. None: every role is the team's own."""
+    """Self-play games: checkpoint:PATH plays --opponent_role with its adapter from PATH (a checkpoint or run directory of the same team: base model, profile, LoRA shape), never trained (it joins --frozen_roles), while the other roles train from --load_path or from scratch. pool:K (two-seat games): --opponent_role plays each game with one of the K latest snapshots of the other role's adapter, drawn per game (a snapshot every --opponent_refresh iterations, the oldest replaced; the first is the adapter training starts from), never trained itself. None: every role is the team's own."""
     opponent_role: Optional[str] = None
-    """The role played from --opponent's checkpoint (none: the profile's last role, e.g. Player B)."""
+    """The role played from --opponent (none: the profile's last role, e.g. Player B)."""
+    opponent_refresh: int = 10
+    """--opponent pool:K: iterations between two snapshots of the trained role's adapter into the pool."""
     kl_coef: Optional[float] = None
     """Weight of the KL penalty to the reference policy (--kl_reference): the k3 estimator per reply token, added to the policy loss in that loss's own units (MARFT-A and GRPO: a reply's KL, its tokens' combined as its log-prob is by --normalization_mode, averaged over each minibatch's replies; MARFT-T and GRPO's token-level loss: averaged over its reply tokens), so every token weighs it against its advantage alike. It keeps the agents near the protocol they start with: without it a team can drift into a private code that no single agent can leave (docs/troubleshooting.md). None (the default): 0.1 for MARFT-A and MARFT-T, 0.0125 for GRPO, whose group-relative advantages are zero on most replies once most groups all solve (docs/algorithms.md). 0: none, no reference forward."""
     kl_reference: str = "auto"

@@ -105,6 +105,9 @@ class AgentTeam(nn.Module):
         """The rollout–trainer log-prob gap of an inference engine's replies since the last :meth:`EngineGap.take`."""
         hidden = base_model.config.get_text_config().hidden_size
         self.critic = Critic(self.headers, agent_critics, hidden, self._device, config.merge_lora_in_rollout) if with_critic else None
+        self.pool_adapters: list[str] = []
+        """Frozen snapshots an opponent plays from (``--opponent pool:K``, :class:`~marft.runner.shared.opponent.OpponentPool`);
+        saved and restored with the checkpoints."""
         self.reference_adapters: dict[str, str] = {}
         """Per policy adapter, its frozen copy kept as the KL reference (``--kl_reference initial``,
         :meth:`add_reference_adapters`); empty: the reference is the base model."""
@@ -284,11 +287,34 @@ class AgentTeam(nn.Module):
         earlier_turns: Sequence[list[tuple[str, str]]],
         private: Sequence[str] | None = None,
         heads: Sequence[str] | None = None,
+        adapters: Sequence[str] | None = None,
     ) -> TurnOutput:
         """Agent ``agent`` replies to every history in the batch: prompts encoded, replies sampled and scored
-        (no critic values: :func:`marft.runner.shared.turns.play_team_step` adds them)."""
+        (no critic values: :func:`marft.runner.shared.turns.play_team_step` adds them). ``adapters``: per row, the
+        adapter that samples it (an opponent's snapshot, ``--opponent pool:K``) instead of the agent's own; the rows of
+        each adapter are sampled as one batch, and the replies come back in the rows' order."""
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private, heads)
-        adapter = self.agent_adapters[agent]
+        names = [self.agent_adapters[agent]] * len(prompt_ids) if adapters is None else list(adapters)
+        if len(names) != len(prompt_ids):
+            raise ValueError(f"{len(names)} adapters for {len(prompt_ids)} rows")
+        groups = {name: [row for row, n in enumerate(names) if n == name] for name in dict.fromkeys(names)}
+        if len(groups) == 1:
+            response_ids, response_mask, logprobs, engine = self._replies(names[0], prompt_ids, prompt_mask, agent)
+        else:
+            parts = [self._replies(name, prompt_ids[rows], prompt_mask[rows], agent) for name, rows in groups.items()]
+            back = torch.argsort(torch.tensor([row for rows in groups.values() for row in rows], device=prompt_ids.device))
+
+            def joined(k: int) -> torch.Tensor | None:  # the groups' k-th tensors (B_g, L) → (B, L), rows back in their order
+                pieces = [part[k] for part in parts]
+                return None if any(piece is None for piece in pieces) else torch.cat(pieces)[back]
+
+            response_ids, response_mask, logprobs, engine = (joined(k) for k in range(4))
+        return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.decode(response_ids, response_mask),
+                          sampling_logprobs=engine)
+
+    def _replies(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int):
+        """``(response_ids, response_mask, logprobs, engine_logprobs or None)`` of ``adapter``'s replies to agent
+        ``agent``'s prompts, log-probs scored with a forward where the backend gives none."""
         replies = self.sample(adapter, prompt_ids, prompt_mask, agent)
         logprobs = replies.logprobs
         if logprobs is None:
@@ -297,8 +323,7 @@ class AgentTeam(nn.Module):
             ).logprobs
         if replies.engine_logprobs is not None:
             self.engine_gap.add(logprobs, replies.engine_logprobs, replies.response_mask)
-        return TurnOutput(prompt_ids, prompt_mask, replies.response_ids, replies.response_mask, logprobs,
-                          self.decode(replies.response_ids, replies.response_mask), sampling_logprobs=replies.engine_logprobs)
+        return replies.response_ids, replies.response_mask, logprobs, replies.engine_logprobs
 
     def set_top_k(self, top_k: int) -> None:
         """Sample among the ``top_k`` most likely tokens from now on (1: greedy replies, for an evaluation)."""

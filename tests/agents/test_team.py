@@ -518,3 +518,29 @@ def test_half_precision_adapters_are_not_merged(random_model_dir):
             pass
     ids, mask = team.encode_prompts(0, HISTORIES, [[]] * 3)
     assert team.sample(team.agent_adapters[0], ids, mask, 0).response_ids.shape == (3, team.config.max_new_tokens)
+
+
+def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_batch(random_model_dir):
+    """``act(..., adapters=...)`` (an opponent pool's snapshot per game): each row is sampled by its adapter, the rows of
+    one adapter as one batch, and the replies come back in the rows' order: greedy replies and log-probs equal those of
+    each adapter's rows played on their own."""
+    team = make_team(random_model_dir)
+    team.bank.add_frozen_copies({team.agent_adapters[0]: "snapshot"})
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if ".snapshot." in name and "lora_B" in name:
+                p.normal_(0.0, 0.5)  # another policy
+    team.set_top_k(1)
+    histories = HISTORIES * 2
+    adapters = ["snapshot", team.agent_adapters[0], team.agent_adapters[0], "snapshot", team.agent_adapters[0], "snapshot"]
+    mixed = team.act(0, histories, [[]] * 6, adapters=adapters)
+    for name in set(adapters):
+        rows = [r for r, a in enumerate(adapters) if a == name]
+        alone = team.act(0, [histories[r] for r in rows], [[]] * len(rows), adapters=[name] * len(rows))
+        assert [mixed.texts[r] for r in rows] == alone.texts
+        assert torch.equal(mixed.response_ids[rows], alone.response_ids)
+        torch.testing.assert_close(mixed.logprobs[rows], alone.logprobs, atol=1e-5, rtol=0)
+    own = team.act(0, histories, [[]] * 6)
+    assert any(own.texts[r] != mixed.texts[r] for r, a in enumerate(adapters) if a == "snapshot"), "the snapshot must play otherwise"
+    with pytest.raises(ValueError, match="2 adapters for 6 rows"):
+        team.act(0, histories, [[]] * 6, adapters=["snapshot"] * 2)

@@ -522,8 +522,75 @@ def test_an_opponent_from_a_checkpoint_plays_its_seat_untrained_while_the_other_
     assert "is of another team (--lora_r differ)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_an_opponent_pool_plays_each_game_from_a_snapshot_and_resumes_exactly(random_model_dir, tmp_path, capsys, monkeypatch):
+    """--opponent pool:2 --opponent_refresh 1: in the rollouts Player B's rows are sampled by the pool's snapshots only
+    (both, once two are taken), Player A's by its own adapter; a slot holds Player A as the iteration that took it
+    started (its checkpoint of the iteration before); Player B never trains; a run stopped after 3 iterations and
+    resumed (its pool from the checkpoint) ends with exactly the adapters of a run of 4."""
+    from safetensors.torch import load_file
+
+    from marft.agents.team import AgentTeam
+    from marft.runner.shared.collector import RolloutCollector
+
+    sampled, in_rollout = [], []
+    replies, collect = AgentTeam._replies, RolloutCollector._collect
+
+    def spy_replies(team, adapter, prompt_ids, *rest):
+        if in_rollout:
+            sampled.append(adapter)
+        return replies(team, adapter, prompt_ids, *rest)
+
+    def spy_collect(self, iteration):
+        in_rollout.append(iteration)
+        try:
+            return collect(self, iteration)
+        finally:
+            in_rollout.clear()
+
+    monkeypatch.setattr(AgentTeam, "_replies", spy_replies)
+    monkeypatch.setattr(RolloutCollector, "_collect", spy_collect)
+
+    def adapter(run, step, name):
+        return load_file(run / "checkpoints" / f"steps_{step}" / name / "adapter_model.safetensors")
+
+    pool = ("--opponent", "pool:2", "--opponent_refresh", "1", "--entropy_coef", "0.1", "--save_interval", "1", "--keep_checkpoints", "0",
+            "--lr_schedule", "constant", "--max_update_kl", "none")  # a 2-iteration run would end its decay early; no undone update
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert self_play_run(random_model_dir, whole, *pool, "--num_env_steps", "48") == 0  # 4 iterations
+    assert set(sampled) == {"player_a", "pool_0", "pool_1"}
+    assert "Player B plays each game from a pool of the 2 latest snapshots of Player A" in capsys.readouterr().out
+    same = lambda a, b: all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    # iteration 2 took slot 0, iteration 3 slot 1: each Player A as the iteration before left it
+    assert same(adapter(whole, 4, "pool_0"), adapter(whole, 2, "player_a"))
+    assert same(adapter(whole, 4, "pool_1"), adapter(whole, 3, "player_a"))
+    assert not same(adapter(whole, 4, "pool_0"), adapter(whole, 1, "player_a"))  # a slot training moved: a resume must restore it
+    assert same(adapter(whole, 4, "player_b"), adapter(whole, 1, "player_b"))  # never trained
+    assert json.loads((whole / "config.json").read_text())["algo"]["frozen_roles"] == "Player B"
+
+    # stopped after 3 iterations (slot 0 then holds Player A of iteration 2, the one resumed from the checkpoint)
+    assert self_play_run(random_model_dir, resumed, *pool, "--num_env_steps", "36") == 0
+    assert self_play_run(random_model_dir, resumed, *pool, "--num_env_steps", "48", "--load_path", str(resumed)) == 0
+    for name in ("player_a", "player_b", "pool_0", "pool_1"):
+        assert same(adapter(resumed, 4, name), adapter(whole, 4, name)), name
+
+
+def test_the_pool_draws_per_game_among_the_filled_slots_from_the_seed_alone():
+    from marft.runner.shared.opponent import OpponentPool
+
+    pool = OpponentPool.__new__(OpponentPool)  # the schedule and the draws, without a team
+    pool.size, pool.refresh, pool.adapters = 3, 2, ["pool_0", "pool_1", "pool_2"]
+    assert [pool.filled(i) for i in range(8)] == [1, 1, 2, 2, 3, 3, 3, 3]
+    assert set(pool.draw(0, 0, 0, 0, 50)) == {"pool_0"}  # one snapshot until the first refresh
+    drawn = pool.draw(0, 0, 6, 1, 300)
+    assert set(drawn) == set(pool.adapters) and drawn == pool.draw(0, 0, 6, 1, 300)  # every slot, reproducibly
+    assert drawn != pool.draw(0, 0, 6, 2, 300) and drawn != pool.draw(1, 0, 6, 1, 300)  # other rounds, other seeds
+
+
 @pytest.mark.parametrize("flags, message", [
-    (("--opponent", "pool:3"), "give checkpoint:PATH"),
+    (("--opponent", "pool:0"), "a whole number of at least 1"),
+    (("--opponent", "league:3"), "give checkpoint:PATH (a checkpoint or run directory of the same team) or pool:K"),
+    (("--opponent", "pool:2", "--opponent_refresh", "0"), "--opponent_refresh 0: iterations between snapshots, at least 1"),
     (("--opponent", "checkpoint:/no/such/run"), "/no/such/run does not exist"),
     (("--opponent_role", "Player B"), "give --opponent too"),
 ])
@@ -540,6 +607,17 @@ def test_an_opponent_checkpoint_needs_a_self_play_game():
     config.algo.opponent = "checkpoint:runs/x"
     with pytest.raises(ValueError, match="plays one side of a self-play game"):
         check_opponent(config, ["Reasoner", "Actor"], self_play=False)
+    config.algo.opponent = "pool:2"
+    with pytest.raises(ValueError, match="a pool plays one side of a self-play game"):
+        check_opponent(config, ["Reasoner", "Actor"], self_play=False)
+    with pytest.raises(ValueError, match="a two-seat game; this profile has 3 roles"):
+        check_opponent(config, ["A", "B", "C"], self_play=True)
+    config.model.generation_backend = "vllm"
+    with pytest.raises(ValueError, match="use --generation_backend decode_loop"):
+        check_opponent(config, ["Player A", "Player B"], self_play=True)
+    config.model.generation_backend, config.model.shared_lora = "decode_loop", True
+    with pytest.raises(ValueError, match="with --shared_lora every role speaks through one"):
+        check_opponent(config, ["Player A", "Player B"], self_play=True)
 
 
 @pytest.mark.parametrize("frozen, message", [("Player C", "not roles of the team"), ("Player A,Player B", "nothing would train")])

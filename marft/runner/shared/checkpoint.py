@@ -5,6 +5,7 @@ Layout of one checkpoint::
     steps_<N>/
       <adapter>/adapter_model.safetensors, adapter_config.json   # one PEFT folder per role (and ``critic``)
       ref_<adapter>/...                                          # with --kl_reference initial: the frozen KL reference
+      pool_<k>/...                                               # with --opponent pool:K: the opponent pool's snapshots
       value_head.safetensors                                     # the critic's value head (not in critic-free runs)
       optimizers.pt                                              # optimizer states and counters (tensors, numbers)
       trainer_state.json                                         # iteration, env steps, roles, counters, RNG states
@@ -118,7 +119,7 @@ def save_checkpoint(
         checkpoint_root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        for adapter in [*team.adapters, *team.reference_adapters.values()]:
+        for adapter in [*team.adapters, *team.reference_adapters.values(), *team.pool_adapters]:
             team.model.save_pretrained(tmp, selected_adapters=[adapter], save_embedding_layers=False)
         if team.has_critic:
             save_file({k: v.detach().cpu().contiguous() for k, v in value_head_state(team).items()}, tmp / "value_head.safetensors")
@@ -230,6 +231,7 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer, rollback: bool =
         weights = path / reference / "adapter_model.safetensors"
         if weights.is_file():
             references[reference] = _read(weights, lambda f: load_file(f, device=str(team.device)))
+    pool = {name: read_adapter(path, name, team.device) for name in team.pool_adapters if (path / name / "adapter_model.safetensors").is_file()}
     if team.has_critic and not (path / "value_head.safetensors").is_file():
         raise CheckpointError(f"checkpoint {path} has no critic (value_head.safetensors): it was saved by a critic-free run (GRPO)")
     value_head = _read(path / "value_head.safetensors", lambda f: load_file(f, device=str(team.device))) if team.has_critic else None
@@ -242,6 +244,8 @@ def load_checkpoint(path: str | Path, team: AgentTeam, trainer, rollback: bool =
         if load_optimizers:
             _apply(path / "optimizers.pt", lambda: trainer.load_optimizer_states(optimizers))
         return state
+    for name, weights in pool.items():  # an opponent pool's snapshots (a warm start's are replaced as the run starts RL)
+        set_adapter_weights(team, name, weights, path)
     for adapter, reference in team.reference_adapters.items():
         if reference in references:
             set_peft_model_state_dict(team.model, references[reference], adapter_name=reference)

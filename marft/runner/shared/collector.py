@@ -57,6 +57,11 @@ class RolloutCollector:
         """Each env's current observation."""
         self.episode_returns = np.zeros(envs.n_envs)
         """Each env's running team return in its current episode."""
+        self.pool = None
+        """``--opponent pool:K``: the :class:`~marft.runner.shared.opponent.OpponentPool` an opponent plays each game from
+        (set by the runner); None: every agent plays with its own adapter."""
+        self.pool_picks: list[str] | None = None
+        """Per env, the snapshot its opponent plays in the current round (:meth:`start_group_round`)."""
 
     def collect(self, iteration: int = 0) -> tuple[RolloutBuffer, dict]:
         """Run every agent of the team for ``episode_length`` steps on all envs into a fresh buffer; returns it with
@@ -77,6 +82,8 @@ class RolloutCollector:
         tasks = rng.choice(n_tasks, size=E // G, replace=E // G > n_tasks).repeat(G)  # (E,)
         self.obs, _ = self.envs.reset(options=[{TASK_INDEX: int(task)} for task in tasks])
         self.episode_returns[:] = 0.0
+        if self.pool is not None:  # each game's opponent: a snapshot drawn for it
+            self.pool_picks = self.pool.draw(self.config.runner.seed, self.dist.rank, iteration, round_index, E)
 
     def _collect(self, iteration: int) -> tuple[RolloutBuffer, dict]:
         rc, team, needs = self.config.runner, self.team, self.needs
@@ -101,6 +108,7 @@ class RolloutCollector:
             played = play_team_step(
                 team, [bases[e] for e in rows], [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
                 with_values=needs.values, token_values=needs.token_values,
+                adapters=None if self.pool is None else {self.pool.opponent: [self.pool_picks[e] for e in rows]},
             )
             next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
             for batch in played:

@@ -96,6 +96,13 @@ class Runner:
                              group_size=config.algo.group_size if trainer.group_relative else 1)
         self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
+        pool_size = opponent.pool_size(config.algo.opponent)
+        if pool_size:  # before any restore: a checkpoint holds the snapshots
+            if not whole_episodes:
+                raise ValueError(f"--opponent {config.algo.opponent} draws a snapshot per game, in rounds of whole games: "
+                                 "--credit_assignment own_turns (MARFT-A, MARFT-T) or GRPO")
+            self.collector.pool = opponent.OpponentPool(team, pool_size, config.algo.opponent_refresh,
+                                                        self.roles.index(opponent.opponent_role(config, self.roles)))
         if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
             trainer.counters.setdefault(ORCHESTRATOR_INVALID, 0)
         self.best = BestTracker(window=config.runner.collapse_window, drop=config.runner.collapse_drop, min_fill=config.runner.collapse_window)
@@ -232,8 +239,8 @@ class Runner:
         with self.preemption:  # SIGTERM/SIGINT: finish the phase, save, raise Preempted
             return self._run()
 
-    PHASES = ("collect", "advantages", "update", "log", "keep_best", "checkpoint", "evaluate")
-    """One iteration's phases, in order (:meth:`_iteration`): the first three are timed in the logs
+    PHASES = ("pool", "collect", "advantages", "update", "log", "keep_best", "checkpoint", "evaluate")
+    """One iteration's phases, in order (:meth:`_iteration`; ``pool`` only with ``--opponent pool:K``): collect, advantages and update are timed in the logs
     (``charts/rollout_seconds``, ``charts/advantages_seconds``, ``charts/update_seconds``), and a stop signal is
     answered between phases (during the rollout, by rewinding it)."""
 
@@ -243,6 +250,12 @@ class Runner:
         played_from = opponent.load_opponent(self.team, self.config) if self.starts_rl else None  # replaces a warm start's
         if played_from is not None:
             self.log.print(f"{played_from} plays from --opponent {self.config.algo.opponent} (never trained)")
+        pool = self.collector.pool
+        if pool is not None:
+            if self.starts_rl:
+                pool.start()  # snapshot 0: the trained role as training starts
+            self.log.print(f"{self.roles[pool.opponent]} plays each game from a pool of the {pool.size} latest snapshots of "
+                           f"{self.roles[1 - pool.opponent]} (one every {pool.refresh} iterations; never trained)")
         self.init_critics()
         before, calls_before = self._evaluate_and_log(self.start_iteration)  # calls: whom an orchestrator called
         self.log.print(f"held-out accuracy before training: {before['accuracy']:.3f} ({before['episodes']} episodes)")
@@ -262,6 +275,9 @@ class Runner:
     def _iteration(self, iteration: int) -> dict[str, float]:
         """One training iteration, phase by phase (:attr:`PHASES`); returns its logged figures."""
         rc, start = self.config.runner, time.perf_counter()
+        # 0. pool: at its iterations, a snapshot of the trained role joins the opponent pool (--opponent pool:K)
+        if self.collector.pool is not None:
+            self.collector.pool.before_iteration(iteration)
         # 1. collect: the team plays episode_length steps on every env (a stop signal rewinds and saves)
         before_rollout = rollout_start(self)
         try:

@@ -37,6 +37,7 @@ def play_team_step(
     private: Sequence[Sequence[str]],
     with_values: bool = False,
     token_values: bool = False,
+    adapters: dict[int, Sequence[str]] | None = None,
 ) -> list[PlayedBatch]:
     """Play one team step on every env in ``envs`` (unwrapped ``MultiAgentTextEnv``s, each at the start of a step),
     leaving each ready for ``step(env.turn_actions())``.
@@ -46,6 +47,8 @@ def play_team_step(
         private: ``(B, N)`` what each agent alone sees in each env.
         with_values: value every turn with the critic (training rollouts of trainers with a critic).
         token_values: the critic also values every reply token (token-level trainers).
+        adapters: per agent that does not play with its own adapter, the adapter of each env (by position in
+            ``envs``): an opponent's snapshot per game (``--opponent pool:K``).
 
     Returns the batches in the order they were generated.
     """
@@ -62,7 +65,8 @@ def play_team_step(
         for agent in sorted(due):  # every agent's prompts are built before anyone's reply is recorded
             rows = due[agent]
             out = team.act(agent, [histories[r] for r in rows], [envs[r].visible_turns(agent) for r in rows], [private[r][agent] for r in rows],
-                           [envs[r].kept_heads()[agent] for r in rows])
+                           [envs[r].kept_heads()[agent] for r in rows],
+                           adapters=[adapters[agent][r] for r in rows] if adapters and agent in adapters else None)
             moment.append(PlayedBatch(agent, rows, out, moment=n_moments))
         for batch in moment:
             for row, text in zip(batch.rows, batch.out.texts):
