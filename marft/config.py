@@ -334,7 +334,7 @@ class TrainConfig:
         Raises:
             ValueError: ``num_env_steps`` is less than one iteration's env steps; ``agent_iteration_interval`` is shorter than one iteration's env steps; with GRPO,
                 ``group_size`` does not divide ``n_rollout_threads`` or ``horizon`` does not divide ``episode_length``;
-                ``credit_assignment own_turns`` with another algorithm than APPO, or ``horizon`` not dividing ``episode_length``.
+                ``credit_assignment own_turns`` with another algorithm than APPO or TPPO, or ``horizon`` not dividing ``episode_length``.
         """
         if self.algo.algorithm_name == "GRPO":
             groups, horizon = self.algo.group_size, self.env.horizon

@@ -751,7 +751,9 @@ def peak_matmul_tflops(device: torch.device, dtype: torch.dtype) -> float:
 def update_utilization(trainer, buffer, iteration: int, seconds: float, device: torch.device, dtype: torch.dtype) -> dict:
     """The last timed update's FLOPs (its buffer updated once more under torch's FLOP counter, after the timing: matrix
     products and attention, forward and backward, the reference and line-search forwards included) and its model FLOP
-    utilization: those FLOPs over its seconds, against :func:`peak_matmul_tflops`."""
+    utilization: those FLOPs over its seconds, against :func:`peak_matmul_tflops`. The counted update starts from the
+    policy the timed one left, so a ``--max_update_kl`` line search may cut it another number of times (one more
+    forward per cut): the FLOPs are those of the same batch, not always of the very same passes."""
     from torch.utils.flop_counter import FlopCounterMode
 
     with FlopCounterMode(display=False) as counter:

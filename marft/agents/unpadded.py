@@ -5,8 +5,8 @@ A batch of prompts and replies of different lengths is padded to the longest row
 for every pad in every matrix product. Here the pads are dropped once after the embedding and put back (as
 zeros) only around each layer's attention, which needs rows; the matrix products, the bulk of the work, cost
 what the real tokens cost. The modules themselves are called (the LoRA layers with their active adapter and
-dropout, the norms, the MLP), so the result equals the padded forward's to float32 rounding, gradients
-included (``tests/agents/test_unpadded.py``).
+dropout, the norms; the gated MLP's three layers op for op as its own forward, :func:`gated_mlp`), so the result
+equals the padded forward's to float32 rounding, gradients included (``tests/agents/test_unpadded.py``).
 
 Supported: decoder-only models of the Llama family whose layers read ``input_layernorm → self_attn (q/k/v/o
 projections, rotary positions, optional q/k norms) → post_attention_layernorm → mlp`` (Qwen2, Qwen2.5, Qwen3,

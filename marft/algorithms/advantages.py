@@ -239,7 +239,9 @@ def own_turn_token_gae(
     own_turns``): for each agent, :func:`token_chain_gae` over its turns alone (every other turn an empty slot the
     chain passes over), a turn paid :func:`own_turn_rewards` at its last token and bootstrapping from the first token
     of its agent's next turn. With ``token_gamma = token_gae_lambda = 1`` a turn's first token gets :func:`own_turn_gae`'s
-    advantage of that turn valued at its first token (a test checks it).
+    advantage of that turn valued at its first token (a test checks it). An empty turn (no reply token, rare: the end
+    token counts) takes no action, as everywhere at the token level: its reward goes to its agent's previous reply in
+    the episode (dropped if there is none), where the action-level chain pays the empty turn itself.
 
     Args: as :func:`own_turn_gae`; ``token_values, response_mask (T, E, S, L)`` as :func:`token_chain_gae`.
     Returns ``advantages (T, E, S, L)`` and ``returns (T, E, S, L)``, 0 at padding and on empty slots.

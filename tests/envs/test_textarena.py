@@ -554,7 +554,7 @@ def test_an_opponent_pool_plays_each_game_from_a_snapshot_and_resumes_exactly(ra
     def adapter(run, step, name):
         return load_file(run / "checkpoints" / f"steps_{step}" / name / "adapter_model.safetensors")
 
-    pool = ("--opponent", "pool:2", "--opponent_refresh", "1", "--entropy_coef", "0.1", "--save_interval", "1", "--keep_checkpoints", "0",
+    pool = ("--opponent", "pool:2", "--opponent_refresh", "1", "--entropy_coef", "0.1", "--save_interval", "1", "--keep_checkpoints", "0", "--on_collapse", "warn",
             "--lr_schedule", "constant", "--max_update_kl", "none")  # a 2-iteration run would end its decay early; no undone update
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     assert self_play_run(random_model_dir, whole, *pool, "--num_env_steps", "48") == 0  # 4 iterations
@@ -573,6 +573,10 @@ def test_an_opponent_pool_plays_each_game_from_a_snapshot_and_resumes_exactly(ra
     assert self_play_run(random_model_dir, resumed, *pool, "--num_env_steps", "48", "--load_path", str(resumed)) == 0
     for name in ("player_a", "player_b", "pool_0", "pool_1"):
         assert same(adapter(resumed, 4, name), adapter(whole, 4, name)), name
+    capsys.readouterr()
+    # the pool's schedule cannot change on resume
+    assert self_play_run(random_model_dir, resumed, *pool, "--opponent_refresh", "2", "--num_env_steps", "60", "--load_path", str(resumed)) != 0
+    assert "saved with --opponent pool:2 --opponent_refresh 1" in capsys.readouterr().err
 
 
 def test_the_pool_draws_per_game_among_the_filled_slots_from_the_seed_alone():
@@ -585,12 +589,16 @@ def test_the_pool_draws_per_game_among_the_filled_slots_from_the_seed_alone():
     drawn = pool.draw(0, 0, 6, 1, 300)
     assert set(drawn) == set(pool.adapters) and drawn == pool.draw(0, 0, 6, 1, 300)  # every slot, reproducibly
     assert drawn != pool.draw(0, 0, 6, 2, 300) and drawn != pool.draw(1, 0, 6, 1, 300)  # other rounds, other seeds
+    grouped = pool.draw(0, 0, 6, 1, 300, group_size=4)  # GRPO: one snapshot per group of games on one task
+    assert all(len(set(grouped[g : g + 4])) == 1 for g in range(0, 300, 4)) and len(set(grouped)) == 3
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--opponent", "pool:0"), "a whole number of at least 1"),
     (("--opponent", "league:3"), "give checkpoint:PATH (a checkpoint or run directory of the same team) or pool:K"),
-    (("--opponent", "pool:2", "--opponent_refresh", "0"), "--opponent_refresh 0: iterations between snapshots, at least 1"),
+    (("--opponent", "pool:2", "--on_collapse", "warn", "--opponent_refresh", "0"), "--opponent_refresh 0: iterations between snapshots, at least 1"),
+    (("--opponent", "pool:2"), "--on_collapse rollback (the default) would undo that progress: give --on_collapse warn"),
+    (("--opponent", "pool:2", "--on_collapse", "warn", "--opponent_role", "Player A"), "plays the profile's second role (Player B)"),
     (("--opponent", "checkpoint:/no/such/run"), "/no/such/run does not exist"),
     (("--opponent_role", "Player B"), "give --opponent too"),
 ])
@@ -612,7 +620,9 @@ def test_an_opponent_checkpoint_needs_a_self_play_game():
         check_opponent(config, ["Reasoner", "Actor"], self_play=False)
     with pytest.raises(ValueError, match="a two-seat game; this profile has 3 roles"):
         check_opponent(config, ["A", "B", "C"], self_play=True)
-    config.model.generation_backend = "vllm"
+    with pytest.raises(ValueError, match="--on_collapse rollback"):
+        check_opponent(config, ["Player A", "Player B"], self_play=True)
+    config.runner.on_collapse, config.model.generation_backend = "warn", "vllm"
     with pytest.raises(ValueError, match="use --generation_backend decode_loop"):
         check_opponent(config, ["Player A", "Player B"], self_play=True)
     config.model.generation_backend, config.model.shared_lora = "decode_loop", True

@@ -83,7 +83,7 @@ class RolloutCollector:
         self.obs, _ = self.envs.reset(options=[{TASK_INDEX: int(task)} for task in tasks])
         self.episode_returns[:] = 0.0
         if self.pool is not None:  # each game's opponent: a snapshot drawn for it
-            self.pool_picks = self.pool.draw(self.config.runner.seed, self.dist.rank, iteration, round_index, E)
+            self.pool_picks = self.pool.draw(self.config.runner.seed, self.dist.rank, iteration, round_index, E, G)
 
     def _collect(self, iteration: int) -> tuple[RolloutBuffer, dict]:
         rc, team, needs = self.config.runner, self.team, self.needs

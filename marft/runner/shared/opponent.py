@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from marft.faults import CheckpointError
 from marft.runner.shared.checkpoint import find_checkpoint, read_adapter, read_checkpoint_meta, set_adapter_weights
 
 CHECKPOINT = "checkpoint:"
@@ -101,6 +102,14 @@ def check_opponent(config, roles: list[str], self_play: bool) -> str | None:
         if len(roles) != 2:
             raise ValueError(f"--opponent {config.algo.opponent}: a pool holds snapshots of the one trained role of a two-seat game; "
                              f"this profile has {len(roles)} roles ({', '.join(roles)})")
+        if role != roles[1]:
+            raise ValueError(f"--opponent {config.algo.opponent} plays the profile's second role ({roles[1]}): the run's training "
+                             f"accuracy and checkpoints/best follow the first role's games, the one that trains; "
+                             f"--opponent_role {role!r} would make them the snapshots'")
+        if config.runner.on_collapse == "rollback":
+            raise ValueError(f"--opponent {config.algo.opponent}: the training accuracy is the win rate against the pool, which is "
+                             "meant to fall as the pool catches up with the trained role; --on_collapse rollback (the default) would "
+                             "undo that progress: give --on_collapse warn (or stop)")
         if config.model.generation_backend == "vllm":
             raise ValueError(f"--opponent {config.algo.opponent} samples each game's snapshot with the team's own model; "
                              "the vLLM engine serves the team's adapters only: use --generation_backend decode_loop")
@@ -186,8 +195,26 @@ class OpponentPool:
         self.team.bank.copy_weights(self.trained_adapter, name)
         return name
 
-    def draw(self, seed: int, rank: int, iteration: int, round_index: int, n_envs: int) -> list[str]:
+    def draw(self, seed: int, rank: int, iteration: int, round_index: int, n_envs: int, group_size: int = 1) -> list[str]:
         """The snapshot each of ``n_envs`` games of a round plays, uniformly among the filled slots, drawn from
-        ``(seed, rank, iteration, round)`` alone."""
+        ``(seed, rank, iteration, round)`` alone; the ``group_size`` games of one group (GRPO's, on one task) face one
+        snapshot, so their group baseline compares the trained role's games, not its opponents' strengths."""
         rng = np.random.default_rng([seed, rank, iteration, round_index, 76])  # 76: a stream of its own
-        return [self.adapters[slot] for slot in rng.integers(self.filled(iteration), size=n_envs)]
+        slots = rng.integers(self.filled(iteration), size=n_envs // group_size).repeat(group_size)  # (E,)
+        return [self.adapters[slot] for slot in slots]
+
+    def check_resume(self, saved_config: dict, path: Path) -> None:
+        """A run resumed (not warm-started) from ``path`` goes on with its checkpoint's pool: the same K and refresh, every
+        slot in it.
+
+        Raises:
+            CheckpointError: ``--opponent`` or ``--opponent_refresh`` changed, or a snapshot is missing."""
+        algo = saved_config.get("algo", {})
+        was = (algo.get("opponent"), algo.get("opponent_refresh"))
+        if pool_size(was[0]) != self.size or was[1] != self.refresh:
+            raise CheckpointError(f"cannot resume from {path} with --opponent pool:{self.size} --opponent_refresh {self.refresh}: it was "
+                                  f"saved with --opponent {was[0]} --opponent_refresh {was[1]}, and the pool's snapshots and schedule are "
+                                  "the checkpoint's (start a new run from it with a warm start instead)")
+        missing = [name for name in self.adapters if not (path / name / "adapter_model.safetensors").is_file()]
+        if missing:
+            raise CheckpointError(f"cannot resume from {path}: its opponent pool lacks {', '.join(missing)}")

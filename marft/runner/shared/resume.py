@@ -37,6 +37,9 @@ def restore(runner, path: str | Path) -> None:
     problems = resume_incompatibilities(saved_config, saved_state.get("roles"), config, runner.roles)
     if problems:
         raise CheckpointError(f"cannot resume from {path}: " + "; ".join(problems))
+    warm_start = "envs" not in saved_state and int(saved_state.get("iteration", 0)) == 0  # scripts/sft.py's checkpoint: RL starts here
+    if runner.collector.pool is not None and not warm_start:
+        runner.collector.pool.check_resume(saved_config, path)
     saved_processes = int(saved_state.get("world_size", 1))
     if saved_processes != dist.world_size:
         raise CheckpointError(
@@ -56,7 +59,6 @@ def restore(runner, path: str | Path) -> None:
     runner.n_iterations = config.iterations_after(runner.start_iteration, runner.env_steps)
     runner.trainer.total_iterations = runner.n_iterations
     runner.last_checkpoint = path
-    warm_start = "envs" not in state and runner.start_iteration == 0  # scripts/sft.py's checkpoint: RL starts here
     runner.starts_rl = warm_start
     if dist.is_main:
         log_changed_flags(config_changes(saved_config, config), warm_start)

@@ -97,10 +97,7 @@ class Runner:
         self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
         pool_size = opponent.pool_size(config.algo.opponent)
-        if pool_size:  # before any restore: a checkpoint holds the snapshots
-            if not whole_episodes:
-                raise ValueError(f"--opponent {config.algo.opponent} draws a snapshot per game, in rounds of whole games: "
-                                 "--credit_assignment own_turns (MARFT-A, MARFT-T) or GRPO")
+        if pool_size:  # before any restore: a checkpoint holds the snapshots (self-play rolls out rounds of whole games)
             self.collector.pool = opponent.OpponentPool(team, pool_size, config.algo.opponent_refresh,
                                                         self.roles.index(opponent.opponent_role(config, self.roles)))
         if isinstance(envs.bases[0].workflow, OrchestratedWorkflow):
