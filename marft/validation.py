@@ -78,7 +78,7 @@ RULES: dict[str, Range] = {
     # env
     "horizon": AT_LEAST_1, "max_turns": AT_LEAST_1, "invalid_move_penalty": NON_NEGATIVE,
     # algo
-    "group_size": AT_LEAST_1, "credit_discount": Range(0, 1, low_open=True), "kl_coef": NON_NEGATIVE, "lr": POSITIVE,
+    "group_size": AT_LEAST_1, "opponent_refresh": AT_LEAST_1, "credit_discount": Range(0, 1, low_open=True), "kl_coef": NON_NEGATIVE, "lr": POSITIVE,
     "critic_lr": POSITIVE, "ppo_epoch": AT_LEAST_1, "num_mini_batch": AT_LEAST_1, "gradient_cp_steps": AT_LEAST_1, "max_chunk_tokens": AT_LEAST_1, "max_chunk_mib": NON_NEGATIVE,
     "clip_param": Range(0, 1, low_open=True, high_open=True), "clip_param_high": POSITIVE, "value_clip_param": NON_NEGATIVE, "huber_delta": POSITIVE, "value_loss_coef": NON_NEGATIVE,
     "entropy_coef": NON_NEGATIVE, "target_entropy": POSITIVE, "entropy_coef_step": NON_NEGATIVE, "max_grad_norm": POSITIVE, "gamma": UNIT, "gae_lambda": UNIT, "token_gamma": UNIT,

@@ -596,7 +596,6 @@ def test_the_pool_draws_per_game_among_the_filled_slots_from_the_seed_alone():
 @pytest.mark.parametrize("flags, message", [
     (("--opponent", "pool:0"), "a whole number of at least 1"),
     (("--opponent", "league:3"), "give checkpoint:PATH (a checkpoint or run directory of the same team) or pool:K"),
-    (("--opponent", "pool:2", "--on_collapse", "warn", "--opponent_refresh", "0"), "--opponent_refresh 0: iterations between snapshots, at least 1"),
     (("--opponent", "pool:2"), "--on_collapse rollback (the default) would undo that progress: give --on_collapse warn"),
     (("--opponent", "pool:2", "--on_collapse", "warn", "--opponent_role", "Player A"), "plays the profile's second role (Player B)"),
     (("--opponent", "checkpoint:/no/such/run"), "/no/such/run does not exist"),
@@ -870,7 +869,8 @@ def test_a_prompt_cut_to_the_context_window_keeps_the_rules_and_the_latest_board
     class Team:
         has_critic = False
 
-        def act(self, agent, histories, earlier_turns, private, heads):
+        def act(self, agent, histories, earlier_turns, private, heads, adapters=None):
+            assert adapters is None  # every agent plays with its own adapter
             asked.append((agent, list(histories), list(private), list(heads)))
             return SimpleNamespace(texts=[env.episode.legal[0]] * len(histories))
 

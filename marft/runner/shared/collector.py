@@ -85,10 +85,14 @@ class RolloutCollector:
         if self.pool is not None:  # each game's opponent: a snapshot drawn for it
             self.pool_picks = self.pool.draw(self.config.runner.seed, self.dist.rank, iteration, round_index, E, G)
 
+    def opponent_adapters(self, rows) -> dict[int, list[str]] | None:
+        """``--opponent pool:K``: the opponent agent's adapter in each of the envs ``rows`` (their games' snapshots);
+        None without a pool."""
+        return None if self.pool is None else {self.pool.opponent: [self.pool_picks[e] for e in rows]}
+
     def _collect(self, iteration: int) -> tuple[RolloutBuffer, dict]:
         rc, team, needs = self.config.runner, self.team, self.needs
-        T, E, N = rc.episode_length, self.envs.n_envs, team.n_agents  # this process's envs
-        bases = self.envs.bases
+        T, E, N, bases = rc.episode_length, self.envs.n_envs, team.n_agents, self.envs.bases  # this process's envs
         buffer = RolloutBuffer(T, E, N, team.prompts.max_prompt_len, self.config.model.max_new_tokens, team.pad_id,
                                slots_per_step=bases[0].workflow.max_turns_per_step)
         finished_returns, tokens, invalid_replies = [], 0, 0
@@ -107,8 +111,7 @@ class RolloutCollector:
             # 1. the team plays one step on every env, turn by turn (the critic, if any, values each turn)
             played = play_team_step(
                 team, [bases[e] for e in rows], [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
-                with_values=needs.values, token_values=needs.token_values,
-                adapters=None if self.pool is None else {self.pool.opponent: [self.pool_picks[e] for e in rows]},
+                with_values=needs.values, token_values=needs.token_values, adapters=self.opponent_adapters(rows),
             )
             next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
             for batch in played:

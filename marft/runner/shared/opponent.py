@@ -80,7 +80,7 @@ def check_opponent(config, roles: list[str], self_play: bool) -> str | None:
 
     Raises:
         ValueError: not a self-play game, ``--shared_lora``, an unknown role, a checkpoint of another team, a pool
-            outside a two-agent profile, on the vLLM engine, or refreshed every 0 iterations.
+            outside a two-agent profile, on its first role, with ``--on_collapse rollback`` or on the vLLM engine.
         FileNotFoundError: no such checkpoint."""
     parsed = parse_opponent(config.algo.opponent)
     if parsed is None:
@@ -113,8 +113,6 @@ def check_opponent(config, roles: list[str], self_play: bool) -> str | None:
         if config.model.generation_backend == "vllm":
             raise ValueError(f"--opponent {config.algo.opponent} samples each game's snapshot with the team's own model; "
                              "the vLLM engine serves the team's adapters only: use --generation_backend decode_loop")
-        if config.algo.opponent_refresh < 1:
-            raise ValueError(f"--opponent_refresh {config.algo.opponent_refresh}: iterations between snapshots, at least 1")
         return role
     try:
         found = find_checkpoint(where)
