@@ -184,9 +184,8 @@ def few_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     at most :data:`FEW_ROWS`, computed weight-major, ``(W xᵀ)ᵀ + b``.
 
     A decode step multiplies a few rows (one per env) by every weight of the model, and CPU BLAS computes ``x Wᵀ``
-    for a few rows well below its speed on the same bytes as ``W xᵀ``: on 2 cores a decode step of 4 rows takes about
-    40 % less time this way, of 16 to 64 rows a few % less, and from about 128 rows (or a forward of a 100-token
-    prompt) more, hence the threshold. The sums are the same products in another order: equal to float32 rounding
+    for a few rows well below its speed on the same bytes as ``W xᵀ``; the gain shrinks as the rows grow and turns
+    into a loss past about a hundred rows (measured on a decode step and a prompt forward), hence the threshold. The sums are the same products in another order: equal to float32 rounding
     (``tests/agents/test_unpadded.py``). Anything else (an adapter layer, a GPU, a forward under autograd, more
     rows) is called as it is."""
     if type(layer) is not nn.Linear or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > FEW_ROWS or torch.is_grad_enabled():

@@ -172,21 +172,20 @@ def own_turn_gae(
     played = played.bool()
     _check_whole_episodes(played, terminated, truncated)
     dtype, envs = values.dtype, torch.arange(E, device=values.device)
+    rewards = own_turn_rewards(agent_rewards.to(dtype), agents, played, terminated)  # (T, E, S) each turn's own pay
     advantages = torch.zeros(T, E, S, dtype=dtype, device=values.device)
     next_value = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) each agent's next own turn: value
     next_adv = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) ... and advantage
-    pending = torch.zeros(E, N, dtype=dtype, device=values.device)  # (E, N) rewards not yet credited to a turn
     for t in range(T - 1, -1, -1):
         going = (~terminated[t].bool()).to(dtype).unsqueeze(-1)  # (E, 1): an episode that ends at t has no next turns
-        next_value, next_adv, pending = next_value * going, next_adv * going, pending * going
-        pending = pending + agent_rewards[t].to(dtype)
+        next_value, next_adv = next_value * going, next_adv * going
         for s in range(S - 1, -1, -1):
             here, agent = played[t, :, s], agents[t, :, s].clamp(min=0)  # (E,) each
-            delta = pending[envs, agent] + gamma * next_value[envs, agent] - values[t, :, s]  # (E,)
+            delta = rewards[t, :, s] + gamma * next_value[envs, agent] - values[t, :, s]  # (E,)
             adv = delta + gamma * gae_lambda * next_adv[envs, agent]
             advantages[t, :, s] = torch.where(here, adv, torch.zeros_like(adv))
             rows, own = envs[here], agent[here]
-            next_value[rows, own], next_adv[rows, own], pending[rows, own] = values[t, here, s], adv[here], 0.0
+            next_value[rows, own], next_adv[rows, own] = values[t, here, s], adv[here]
     return advantages, torch.where(played, advantages + values[:T], torch.zeros_like(advantages))
 
 
@@ -205,7 +204,7 @@ def _check_whole_episodes(played: torch.Tensor, terminated: torch.Tensor, trunca
 
 
 def own_turn_rewards(agent_rewards: torch.Tensor, agents: torch.Tensor, played: torch.Tensor, terminated: torch.Tensor) -> torch.Tensor:
-    """Each turn's reward along its own agent's chain (as :func:`own_turn_gae` pays it): its agent's rewards from the
+    """Each turn's reward along its own agent's chain (what :func:`own_turn_gae` pays it): its agent's rewards from the
     turn's step until that agent's next turn or the episode's end, summed. ``agent_rewards (T, E, N)``, ``agents,
     played (T, E, S)``, ``terminated (T, E)`` → ``(T, E, S)``, 0 on empty slots."""
     T, E, S = agents.shape
