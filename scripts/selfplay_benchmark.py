@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from recipe_runs import add_recipe_args, run_recipe
 
 SELF_PLAY_FLAGS = ("--profile_path game_seats --algorithm_name GRPO --credit_assignment per_step --group_size 4 --horizon 10 "
                    "--episode_length 10 --max_new_tokens 4 --context_window 1024 --lora_target_modules all-linear,lm_head")
@@ -39,15 +40,8 @@ ROLES = ("Player A", "Player B")
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env_name", default="textarena:TicTacToe-v0", help="a two-player game whose observations list the legal moves")
-    p.add_argument("--seed", type=int, default=0, help="--seed of the warm start and of the training run")
-    p.add_argument("--sft_steps", type=int, default=1500, help="warm-start steps")
-    p.add_argument("--n_demonstrations", type=int, default=6000, help="random-legal-play demonstrations of the warm start")
-    p.add_argument("--n_rollout_threads", type=int, default=32, help="games played at once (warm start and training)")
-    p.add_argument("--num_env_steps", type=int, default=34560, help="training length: moves in all (34560: 108 iterations of 32 x 10)")
-    p.add_argument("--episodes", type=int, default=200, help="held-out games per evaluation (both seats)")
-    p.add_argument("--model_name_or_path", default=None, help="the base model of the warm start (default: the embedded marft-tiny)")
-    p.add_argument("--device", default=None, help="cpu, cuda or auto for every command (default: theirs)")
-    p.add_argument("--output_dir", default=None, help="where the runs go (default results/selfplay/<time>)")
+    add_recipe_args(p, sft_steps=1500, n_demonstrations=6000, n_rollout_threads=32, num_env_steps=34560,
+                    moves="34560: 108 iterations of 32 x 10", episodes=200, runs="selfplay")
     return p.parse_known_args(argv)
 
 
@@ -90,12 +84,7 @@ def main(argv=None) -> dict:
     args, train_flags = parse_args(argv)
     args.output_dir = args.output_dir or str(Path("results") / "selfplay" / time.strftime("%Y%m%d-%H%M%S"))
     start = time.perf_counter()
-    steps = commands(args, train_flags)
-    for name, argv_ in steps.items():
-        print(f"[{name}] marft {shlex.join(argv_)}", flush=True)
-        subprocess.run([sys.executable, "-m", "marft", *argv_], check=True, stdout=subprocess.DEVNULL)
-    games = {name: json.loads((Path(args.output_dir) / "eval" / name / "summary.json").read_text())["games"]
-             for name in steps if name.startswith(("before_", "after_"))}
+    games = run_recipe(commands(args, train_flags), args.output_dir)
     result = {"bench": "selfplay", "env": args.env_name, "seed": args.seed, "train_flags": shlex.join(train_flags)}
     for name, figures in games.items():
         result[name] = round(wins_over_both_seats(figures), 4)

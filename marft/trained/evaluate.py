@@ -240,8 +240,9 @@ def _summary(config: TrainConfig, checkpoint, transcripts: list[dict], result: d
 
 def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str | None = None) -> dict:
     """A game env's figures (``{"games": ...}``, or {} for other envs): per seat of the agent whose games they are
-    (``perspective``, default the first role), its win / draw / loss / unfinished rates and mean reward, and the
-    share of games ended by an invalid move (and the invalid moves the game forgave, per game)."""
+    (``perspective``, default the first role; in a team game per side of that role, ``side_Village``), its win / draw /
+    loss / unfinished rates and mean reward, and the share of games with an invalid move that cost a player the game
+    (in a team game: a player eliminated for it), and the invalid moves the game forgave, per game."""
     games = [episode for episode in transcripts if "outcome" in episode]
     if not games:
         return {}
@@ -255,10 +256,13 @@ def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str
         return e["reward_by_role"][role] if "reward_by_role" in e else e["return"]
 
     figures: dict = {"role": role}
-    for seat in (0, 1):
-        mine = [e for e in games if (e["seat"] + agent) % 2 == seat]
+    if all("side_by_role" in e for e in games):  # a team game: the game deals the seats; by the role's side instead
+        groups = {f"side_{side}": [e for e in games if e["side_by_role"][role] == side] for side in sorted({e["side_by_role"][role] for e in games})}
+    else:
+        groups = {f"seat_{seat}": [e for e in games if (e["seat"] + agent) % 2 == seat] for seat in (0, 1)}
+    for name, mine in groups.items():
         if mine:
-            figures[f"seat_{seat}"] = {**{o: float(np.mean([outcome(e) == o for e in mine])) for o in ("win", "draw", "loss", "unfinished")},
+            figures[name] = {**{o: float(np.mean([outcome(e) == o for e in mine])) for o in ("win", "draw", "loss", "unfinished")},
                                        "reward": float(np.mean([reward(e) for e in mine])), "games": len(mine)}
     figures["invalid_move_rate"] = float(np.mean([bool(e.get("invalid_move")) for e in games]))
     if all("invalid_attempts" in e for e in games):  # the invalid moves the game forgave (the player tried again)

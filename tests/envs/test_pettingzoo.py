@@ -28,6 +28,7 @@ SHIPPED = {
     "code": ("code", {"split": "test"}),
     "TextArena Tic-Tac-Toe, self-play": ("textarena:TicTacToe-v0", {"split": "test", "profile": "game_seats"}),
     "TextArena Kuhn Poker, against the random player": ("textarena:KuhnPoker-v0", {"split": "test", "profile": "game_player"}),
+    "TextArena SecretMafia, a team game": ("textarena:SecretMafia-v0", {"split": "test", "profile": "secret_mafia"}),
 }
 
 

@@ -14,7 +14,8 @@ from marft.envs.profile import (
 
 NAMED = ["reasoner_actor", "planner_solver", "planner_solver_verifier", "planner_solver_reflector_verifier",
          "reasoner_actor_code", "planner_coder", "planner_coder_debugger", "planner_coder_reviewer_debugger",
-         "planner_solver_verifier_orchestrated", "solvers_verifier_graph", "route_orchestrated", "game_player", "game_seats"]
+         "planner_solver_verifier_orchestrated", "solvers_verifier_graph", "route_orchestrated", "game_player", "game_seats",
+         "secret_mafia"]
 
 
 def write(tmp_path, entries, name="p.json"):
@@ -37,7 +38,7 @@ def test_named_profile_and_anonymous_twin(name):
     assert [s.orchestrator for s in anonymous] == [s.orchestrator for s in named]
     assert [s.with_answer for s in anonymous] == [s.with_answer for s in named]
     assert all(s.prompt.strip() for s in named)
-    answer_format = "```python" if "code" in name else "[4]" if "game" in name else "\\boxed{"  # a program; a game move
+    answer_format = "```python" if "code" in name else "[4]" if "game" in name or "mafia" in name else "\\boxed{"  # a program; a game move
     assert answer_format in named[answer_agent_index(named)].prompt
 
 

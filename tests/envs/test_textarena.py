@@ -907,7 +907,7 @@ def test_a_word_game_without_its_nltk_data_fails_when_built_in_one_line_naming_t
     banner; the env says which resource and how to install it, in one line, before any model loads."""
     from marft.envs.textarena import env as textarena_env
 
-    def no_corpus(self, game_id, seed):
+    def no_corpus(self, game_id, seed, players=2):
         raise LookupError(NLTK_BANNER)
 
     monkeypatch.setattr(textarena_env.Game, "__init__", no_corpus)

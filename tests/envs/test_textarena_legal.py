@@ -5,6 +5,7 @@ game's move format one it refuses (an invalid move in TextArena: counted as an e
 reader that lists a move the game refuses would make the random opponent lose on an invalid move; one that leaves a
 legal move out would make it weaker than random."""
 
+import collections
 import copy
 import itertools
 
@@ -15,7 +16,8 @@ pytest.importorskip("textarena", reason="textarena is not installed (pip install
 
 from marft.envs import make  # noqa: E402
 from marft.envs.textarena.env import Game  # noqa: E402
-from marft.envs.textarena.legal import PUZZLES, RANDOM_OPPONENT_GAMES, READERS  # noqa: E402
+from marft.envs.textarena.legal import PUZZLES, RANDOM_OPPONENT_GAMES, READERS, TEAM_GAMES_READ  # noqa: E402
+from marft.envs.textarena.teams import team_game  # noqa: E402
 
 FILES = "abcdefgh"
 CANDIDATES = {
@@ -60,7 +62,9 @@ def positions(game_id: str, games: int, max_moves: int):
 
 
 def test_every_game_with_a_reader_is_a_random_opponent_game_with_candidates():
-    assert {type(Game(g, 0, 1 if g in PUZZLES else 2).base).__name__ for g in CANDIDATES} == set(READERS)
+    read = {type(Game(g, 0, 1 if g in PUZZLES else 2).base).__name__ for g in CANDIDATES}
+    read |= {type(Game(g, 0, team_game(g).players).base).__name__ for g in TEAM_GAMES_READ}
+    assert read == set(READERS)
     assert set(CANDIDATES) <= set(RANDOM_OPPONENT_GAMES) | set(PUZZLES)
 
 
@@ -103,3 +107,21 @@ def test_the_random_opponent_plays_games_that_do_not_list_their_moves_to_the_end
         assert info["outcome"] in ("win", "draw", "loss") and not info["invalid_move"], info
         outcomes.append(info["outcome"])
     assert len(outcomes) == 4
+
+
+def test_secret_mafia_reads_a_living_players_number_in_every_phase():
+    """A vote or a night's target: exactly the numbers the game accepts (any living player); in the discussion, where
+    the game takes any text, each listed number is taken too."""
+    seen = collections.Counter()
+    for seed in range(6):
+        game, rng = Game("SecretMafia-v0", seed, 6), np.random.default_rng(seed)
+        while not game.done:
+            legal, phase = game.legal_moves(), game.base.phase.value
+            verdicts = {move: accepted(game, move) for move in (f"[{p}]" for p in range(8))}
+            if phase == "Day-Discussion":
+                assert all(verdicts[move] for move in legal)
+            else:
+                assert set(legal) == {move for move, ok in verdicts.items() if ok}, (phase, game.base.state.game_state)
+            seen[phase] += 1
+            game.move(legal[int(rng.integers(len(legal)))])
+    assert set(seen) == {"Night-Mafia", "Night-Doctor", "Night-Detective", "Day-Discussion", "Day-Voting"}

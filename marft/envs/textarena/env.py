@@ -24,6 +24,11 @@ A one-player game (a puzzle: GuessTheNumber, Mastermind, TowerOfHanoi ...) is pl
 profile's workflow speaks in turn each team step and the answering agent's reply is the move; every agent is paid the
 game's reward (TextArena's progress score, 1 when solved), ``correct`` means solved, and task ``i`` is game seed ``i``.
 
+A team game (:mod:`marft.envs.textarena.teams`: SecretMafia, six players in two sides) is self-play by a team of one
+agent per role the game deals: the agent of a player's role moves for that player (two Villagers: one agent, two
+seats), sees the game as that player, and is paid its side's reward; ``correct`` is the first role's side winning,
+and task ``i`` is game seed ``i``.
+
 TextArena is optional: ``pip install "marft[games]"``.
 """
 
@@ -41,6 +46,8 @@ from marft.choices import GAME_VIEWS
 from marft.envs.base import EpisodeState, MultiAgentTextEnv, StepOutcome
 from marft.envs.profile import AgentSpec, answer_agent_index, team_profile
 from marft.envs.textarena import legal
+from marft.envs.textarena.demonstrations import random_legal_demonstrations
+from marft.envs.textarena.teams import team_game
 from marft.envs.workflows import StepTurns, Workflow
 from marft.prompting import format_problem
 
@@ -85,6 +92,9 @@ class GameState(EpisodeState):
     rules: tuple[str, ...] = ()
     """Each player id's rules (the game's opening messages to it, stripped), which open its view: what a prompt cut
     to the context window keeps (:meth:`TextArenaEnv.kept_heads`; empty in checkpoints from before it)."""
+    seat_agents: tuple[int, ...] = ()
+    """A team game: per player id, the agent that moves for it (the agent named as the role the game dealt that
+    player); empty in two-player games and puzzles (agent ``a`` plays seat ``(a + seat) % 2``)."""
 
     def __post_init__(self):
         object.__setattr__(self, "moves", tuple(self.moves))  # a checkpoint's JSON gives lists
@@ -92,6 +102,7 @@ class GameState(EpisodeState):
         object.__setattr__(self, "legal", tuple(self.legal))
         object.__setattr__(self, "retries", tuple(self.retries))
         object.__setattr__(self, "rules", tuple(self.rules))
+        object.__setattr__(self, "seat_agents", tuple(self.seat_agents))
 
 
 def missing_nltk_data(game_id: str, message: str) -> str:
@@ -212,23 +223,27 @@ class Game:
 
 
 def start_game(game_id: str) -> Game:
-    """Game seed 0 of ``game_id``: a two-player game, else a one-player puzzle (``Game.players`` says which).
+    """Game seed 0 of ``game_id``: a team game's (:mod:`.teams`) with its players, else a two-player game, else a
+    one-player puzzle (``Game.players`` says which).
 
     Raises:
-        ValueError: in one line, when TextArena starts it as neither (an unknown id, a game for more players, an
-            error in TextArena) or a word game's NLTK data is missing."""
+        ValueError: in one line, when TextArena starts it as none of those (an unknown id, a game for more players
+            that is not a registered team game, an error in TextArena) or a word game's NLTK data is missing."""
+    team = team_game(game_id)
     try:
-        return Game(game_id, 0)
+        return Game(game_id, 0, players=team.players if team else 2)
     except Exception as error:  # noqa: BLE001 - TextArena raises assertion, key and value errors alike
         if isinstance(error, LookupError):  # NLTK's multi-line "Resource ... not found" banner
             raise ValueError(missing_nltk_data(game_id, str(error))) from error
         try:
-            return Game(game_id, 0, players=1)
+            if team is None:
+                return Game(game_id, 0, players=1)
         except Exception:  # noqa: BLE001 - not a puzzle either: report the two-player error
             pass
         hint = "; TextArena itself failed to load it" if isinstance(error, SyntaxError) else ""
-        raise ValueError(f"TextArena could not start {game_id!r} as a two-player game or a one-player puzzle (an unknown id, a game "
-                         f"for more players, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
+        as_what = f"a {team.players}-player team game" if team else "a two-player game or a one-player puzzle"
+        raise ValueError(f"TextArena could not start {game_id!r} as {as_what} (an unknown id, a game for more players that "
+                         f"marft.envs.textarena.teams does not register, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
 
 
 class MoveWorkflow(Workflow):
@@ -252,7 +267,7 @@ class MoveWorkflow(Workflow):
 
 
 class TextArenaEnv(MultiAgentTextEnv):
-    """A TextArena two-player game (see the module's docstring).
+    """A TextArena two-player game, puzzle or team game (see the module's docstring).
 
     A one-agent profile plays against a fixed opponent (``opponent``) that the env moves itself. A two-agent profile
     is self-play: one agent (its own adapter) per seat, each paid its own seat's reward; one team step is one move,
@@ -264,10 +279,12 @@ class TextArenaEnv(MultiAgentTextEnv):
         profile: one agent (default: ``Player``) against the opponent, or two agents for self-play.
         horizon: the most team steps (moves of the team) in one game (1, the default flag: up to ``DEFAULT_MAX_MOVES``).
         opponent: ``random`` (uniformly random legal moves): the fixed opponent of a one-agent team.
-        n_games: games (seeds) per split (default: 5000 for ``train``, 500 for ``test``); tasks are ``2 * n_games``
-            (each game once with each seating). Task ``i`` is seat ``i % 2`` of game seed ``offset + i // 2``, so the
-            first ``2 * k`` tasks of a split are the same whatever its size (an evaluation of 200 episodes plays the
-            test split's first 100 deals from both seats; ``marft eval`` with no ``--episodes`` all 1000 tasks).
+        n_games: games (seeds) per split (default: 5000 for ``train``; for ``test`` 500 of a two-player game, 1000 of
+            a puzzle or a team game); a two-player game's tasks are ``2 * n_games`` (each game once with each seating):
+            task ``i`` is seat ``i % 2`` of game seed ``offset + i // 2``, so the first ``2 * k`` tasks of a split are the
+            same whatever its size (an evaluation of 200 episodes plays the test split's first 100 deals from both
+            seats; ``marft eval`` with no ``--episodes`` all 1000 tasks). A puzzle's or team game's task ``i`` is game
+            seed ``offset + i`` (the game deals the seats): 1000 held-out games too.
         view: what an agent sees besides the rules (:data:`marft.choices.GAME_VIEWS`): ``since_move`` (the default), the messages since
             its previous move; ``board``, the latest board and the messages after it (games whose board TextArena
             marks as such, e.g. Tic-Tac-Toe; others are refused).
@@ -294,24 +311,34 @@ class TextArenaEnv(MultiAgentTextEnv):
         self.profile = team_profile(profile or [AgentSpec(role="Player", prompt="", with_answer=True)], n_agents)
         probe = start_game(game_id)
         self.n_players = len(probe.players)
-        """The game's players: 2, or 1 for a puzzle."""
+        """The game's players: 2, 1 for a puzzle, more for a team game."""
         self.puzzle = self.n_players == 1
         """A one-player game (GuessTheNumber, Mastermind, TowerOfHanoi ...), played by the whole team: the profile's
         workflow speaks in turn and the answering agent's reply is the move; every agent is paid the game's reward."""
-        if not self.puzzle and len(self.profile) not in (1, 2):
+        self.team = team_game(game_id) if self.n_players > 2 else None
+        """A team game (:mod:`.teams`, e.g. SecretMafia): one agent per role the game deals, each paid its players' reward."""
+        if self.team is not None:
+            roles = [spec.role for spec in self.profile]
+            if len(roles) != len(self.team.roles):
+                raise ValueError(f"{game_id} is a team game: its profile has one agent per role the game deals, {list(self.team.roles)} "
+                                 f"(--profile_path secret_mafia), not {len(roles)} ({', '.join(roles)})")
+            self.game_roles = list(self.team.roles) if sorted(roles) != sorted(self.team.roles) else roles
+            """Per agent, the game's role it plays: the role of its name, or (a profile with other names, e.g. an anonymous
+            one) the game's roles in the order :mod:`.teams` lists them."""
+        elif not self.puzzle and len(self.profile) not in (1, 2):
             raise ValueError(f"a two-player TextArena game is played by one agent (against a fixed opponent) or two "
                              f"(self-play); the profile has {len(self.profile)}: {[s.role for s in self.profile]}")
         super().__init__([spec.role for spec in self.profile], horizon=horizon if horizon > 1 else DEFAULT_MAX_MOVES)
-        self.self_play = not self.puzzle and self.n_agents == 2
+        self.self_play = self.team is not None or (not self.puzzle and self.n_agents == 2)
         self.mover = answer_agent_index(self.profile) if self.puzzle else 0
         """Outside self-play, the agent whose reply is the move (a puzzle team's answering agent; else the one agent)."""
         self.competitive = self.self_play
         """Each agent is paid its own seat's reward in a zero-sum game (the launcher refuses a team-reward critic)."""
         if self.self_play:
-            self.workflow = MoveWorkflow(self.roles, answer_agents=(0, 1))
+            self.workflow = MoveWorkflow(self.roles, answer_agents=tuple(range(self.n_agents)))
             self.turns = self.workflow.start()
         self.game_id, self.split, self.opponent = game_id, split, opponent
-        self.n_games = n_games or (5000 if split == "train" else 500)
+        self.n_games = n_games or (5000 if split == "train" else 1000 if self.puzzle or self.team else 500)
         self.seed_offset = 0 if split == "train" else 1_000_000
         self._live: tuple[tuple, Game] | None = None  # the latest game played, keyed by (seed, moves): saves replays
         self.random_agents: frozenset[int] = frozenset()
@@ -327,15 +354,40 @@ class TextArenaEnv(MultiAgentTextEnv):
 
     @property
     def num_tasks(self) -> int:
-        return self.n_games if self.puzzle else 2 * self.n_games
+        return self.n_games if self.puzzle or self.team else 2 * self.n_games
 
     # ---- seats and turns
 
+    def players_of(self, agent: int, state: GameState) -> list[int]:
+        """The player ids agent ``agent`` moves for: its seat's, or in a team game every player dealt its role."""
+        if self.puzzle:
+            return [0]
+        if state.seat_agents:
+            return [pid for pid, a in enumerate(state.seat_agents) if a == agent]
+        return [(agent + state.seat) % 2]
+
     def seat_of(self, agent: int, state: GameState) -> int:
-        return 0 if self.puzzle else (agent + state.seat) % 2
+        """The player id agent ``agent`` plays now: in a team game the one to move if it is one of the agent's, else
+        the agent's first."""
+        players = self.players_of(agent, state)
+        return state.to_move if state.to_move in players else players[0]
 
     def agent_of(self, seat: int, state: GameState) -> int:
-        return (seat - state.seat) % 2
+        return state.seat_agents[seat] if state.seat_agents else (seat - state.seat) % 2
+
+    def _seat_agents(self, game: Game) -> tuple[int, ...]:
+        """A team game: per player id, the agent of the role the game dealt it (every agent must get one); () otherwise.
+
+        Raises:
+            ValueError: a role of the profile that this game dealt to nobody."""
+        if self.team is None:
+            return ()
+        dealt = self.team.seat_roles(game.base)
+        seat_agents = tuple(self.game_roles.index(dealt[pid]) for pid in game.players)
+        idle = [role for agent, role in enumerate(self.roles) if agent not in seat_agents]
+        if idle:
+            raise ValueError(f"{self.game_id} dealt no player the role(s) {idle}; each agent of a team game must play a seat")
+        return seat_agents
 
     def _turns(self) -> StepTurns:
         """A fresh team step; in self-play, due: the agent whose seat is to move."""
@@ -410,13 +462,19 @@ class TextArenaEnv(MultiAgentTextEnv):
             game.move(move)
         return game
 
-    def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int) -> tuple[tuple[str, ...], int]:
+    def _opponent_moves(self, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int,
+                        seat_agents: tuple[int, ...] = ()) -> tuple[tuple[str, ...], int]:
         """The fixed opponent moves until it is ``seat``'s turn or the game ends (in self-play: for the
-        :attr:`random_agents`, while one of them is to move; ``seat``: agent 0's); ``made``: its
-        moves so far. Its k-th choice is drawn from a generator seeded by (game seed, k), so transitions are pure and
-        the agent cannot re-draw the opponent's reply by wasting attempts. Returns (moves, the opponent's count)."""
-        while not game.done and (game.current_player != seat if not self.self_play
-                                 else (game.current_player - seat) % 2 in self.random_agents):
+        :attr:`random_agents`, while one of them is to move; ``seat``: agent 0's; ``seat_agents``: a team game's
+        :attr:`GameState.seat_agents`); ``made``: its moves so far. Its k-th choice is drawn from a generator seeded
+        by (game seed, k), so transitions are pure and the agent cannot re-draw the opponent's reply by wasting
+        attempts. Returns (moves, the opponent's count)."""
+
+        def random_to_move() -> bool:
+            player = game.current_player
+            return (seat_agents[player] if seat_agents else (player - seat) % 2) in self.random_agents
+
+        while not game.done and (game.current_player != seat if not self.self_play else random_to_move()):
             options = game.legal_moves()
             if not options:  # refused at __init__ for games whose moves are unknown; a position that lists none
                 raise ValueError(f"the random opponent found no legal move in this position of {self.game_id}: "
@@ -426,34 +484,37 @@ class TextArenaEnv(MultiAgentTextEnv):
             moves, made = moves + (choice,), made + 1
         return moves, made
 
-    def _state(self, state: GameState | None, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int) -> GameState:
+    def _state(self, state: GameState | None, game: Game, seat: int, seed: int, moves: tuple[str, ...], made: int,
+               seat_agents: tuple[int, ...] = ()) -> GameState:
         """The episode state after ``moves``; ``game`` is kept live for the next transition."""
         self._live = ((seed, moves), game)
         to_move = -1 if game.done else game.current_player
         legal = () if game.done else tuple(game.legal_moves())
-        if self.self_play:
-            views = tuple(game.view((agent + seat) % 2, self.view) for agent in range(2))
+        new = GameState(problem=game.rules[seat].strip(), answer="win", history="", seat=seat, game_seed=seed, to_move=to_move,
+                        seat_agents=seat_agents) if state is None else replace(state, to_move=to_move)
+        if self.self_play:  # each agent sees the game as the player it plays now
+            views = tuple(game.view(self.seat_of(agent, new), self.view) for agent in range(self.n_agents))
             history = format_problem(self.game_id)
         else:
             views, history = (), format_problem(game.view(seat, self.view))
         if state is None:
-            return GameState(problem=game.rules[seat].strip(), answer="win", history=history, seat=seat, game_seed=seed,
-                             moves=moves, to_move=to_move, views=views, legal=legal, retries=(0,) * self.n_agents,
-                             opponent_moves=made, rules=tuple(game.rules[pid].strip() for pid in game.players))
-        return replace(state, history=history, moves=moves, to_move=to_move, views=views, legal=legal, opponent_moves=made)
+            return replace(new, history=history, moves=moves, views=views, legal=legal, retries=(0,) * self.n_agents,
+                           opponent_moves=made, rules=tuple(game.rules[pid].strip() for pid in game.players))
+        return replace(new, history=history, moves=moves, views=views, legal=legal, opponent_moves=made)
 
     # ---- marft's hooks
 
     def sample_task(self, options: dict | None) -> dict:
         index = self.choose_task(options)
-        if self.puzzle:  # one seat: task i is game seed i
+        if self.puzzle or self.team:  # the game deals the seats: task i is game seed i
             return {"problem": self.game_id, "answer": "win", "seat": 0, "game_seed": self.seed_offset + index}
         return {"problem": self.game_id, "answer": "win", "seat": index % 2, "game_seed": self.seed_offset + index // 2}
 
     def initial_state(self, task: dict) -> GameState:
         seat, seed = int(task["seat"]), int(task["game_seed"])
         game = Game(self.game_id, seed, self.n_players)
-        return self._state(None, game, seat, seed, *self._opponent_moves(game, seat, seed, (), 0))
+        seat_agents = self._seat_agents(game)
+        return self._state(None, game, seat, seed, *self._opponent_moves(game, seat, seed, (), 0, seat_agents), seat_agents)
 
     def evaluate(self, state: EpisodeState, actions: tuple[str, ...]) -> StepOutcome:
         raise NotImplementedError("a TextArena game is judged by the game itself, in transition()")
@@ -466,7 +527,8 @@ class TextArenaEnv(MultiAgentTextEnv):
         game.move(actions[mover])
         forgiven = game.forgiven  # read now: the opponent's moves below run on the same game
         retries = tuple(r + (a == mover and forgiven) for a, r in enumerate(state.retries))
-        moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],), state.opponent_moves)
+        moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],), state.opponent_moves,
+                                           state.seat_agents)
         step = state.step + 1
         new = replace(self._state(state, game, state.seat, state.game_seed, moves, made), retries=retries, step=step)
         charged = tuple(self.invalid_move_penalty if a == mover and forgiven else 0.0 for a in range(self.n_agents))
@@ -487,14 +549,16 @@ class TextArenaEnv(MultiAgentTextEnv):
             rewards = tuple(v - c for v, c in zip(cut, charged))
             info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
                     "moves": len(state.moves), "game_moves": list(state.moves), "invalid_attempts": sum(state.retries)}
+            if self.team is not None:
+                info["side_by_role"] = self._sides(game, state)
             if self.self_play:
                 info["invalid_by"] = ""
                 info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
                 info["reward_by_role"] = {role: v - p for role, v, p in zip(self.roles, cut, paid)}
             return StepOutcome(rewards=rewards, solved=False, info=info)
         by_seat, game_info = game.result
-        rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))
-        invalid = [a for a in range(self.n_agents) if game_info.get(self.seat_of(a, state), {}).get("invalid_move")]
+        rewards = tuple(float(by_seat[self.seat_of(a, state)]) for a in range(self.n_agents))  # a team game: its side's
+        invalid = [a for a in range(self.n_agents) if any(game_info.get(p, {}).get("invalid_move") for p in self.players_of(a, state))]
         # a puzzle's reward is its progress in [0, 1] (TextArena's): solved at 1, a win; anything less, a loss
         won = rewards[0] >= 1.0 if self.puzzle else rewards[0] > 0
         outcome = ("win" if won else "loss") if self.puzzle else OUTCOMES[int(np.sign(rewards[0]))]
@@ -503,68 +567,20 @@ class TextArenaEnv(MultiAgentTextEnv):
                                 "invalid_attempts": sum(state.retries)}
         if self.puzzle:
             info["progress"] = rewards[0]
+        if self.team is not None:
+            info["side_by_role"] = self._sides(game, state)
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
             info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
             info["reward_by_role"] = {role: r - p for role, r, p in zip(self.roles, rewards, paid)}
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
+    def _sides(self, game: Game, state: GameState) -> dict[str, str]:
+        """A team game: each role's side (``Village``, ``Mafia`` ...)."""
+        sides = self.team.sides(game.base)
+        return {role: sides[self.players_of(a, state)[0]] for a, role in enumerate(self.roles)}
+
     def demonstrations(self, n: int, choose=None, recovery_share: float = 0.0) -> list[dict]:
-        """``n`` one-move transcripts of random legal play (both seats), in the game's own move format, each prompted
-        exactly as training prompts that move (played through this env): a warm start towards legal play.
-        ``choose(state) -> move``: another player's moves instead (e.g. ``scripts/tictactoe_expert.py``'s best player).
-        ``recovery_share``: the share of moves made after a rejected attempt: the mover first slips (:meth:`_slip`,
-        where the game forgives it) and the transcript is its move from the retry's prompt, which shows the rejected
-        move and the game's reason, so the warm start also shows what to do once a move is rejected (0: none, and the
-        same draws as without it)."""
-        if not 0.0 <= recovery_share <= 1.0:
-            raise ValueError(f"recovery_share must be in [0, 1], got {recovery_share!r}")
-        transcripts = []
-        while len(transcripts) < n:
-            index = self.choose_task(None)
-            self.reset(options={"task_index": index})
-            if not self.episode.legal:
-                raise ValueError(f"{self.game_id} neither lists its legal moves (a line with 'available' and moves in quotes like "
-                                 "'[4]') nor has a reader of them (marft.envs.textarena.legal), so there are no random-legal "
-                                 "demonstrations: warm-start with transcripts of your "
-                                 "own (--sft_data FILE.jsonl)")
-            while not self.episode.done and self.episode.legal and len(transcripts) < n:
-                mover = self.speakers()[0]
-                if recovery_share and self.np_random.random() < recovery_share:
-                    self._slip(mover)
-                move = choose(self.episode) if choose else self.episode.legal[int(self.np_random.integers(len(self.episode.legal)))]
-                if self.self_play:  # the mover's view is its private observation; the history names the game
-                    row = {"problem": self.game_id, "private": {self.roles[mover]: self.episode.views[mover]}}
-                else:  # the view is the history (format_problem(view))
-                    row = {"problem": self.episode.history.removeprefix("Problem: ").rstrip("\n")}
-                heads = self.kept_heads()
-                speakers = self._say(move)
-                row["kept_heads"] = {self.roles[a]: heads[a] for a in speakers}  # what a cut keeps, as in training
-                transcripts.append({**row, "turns": [{"role": self.roles[a], "text": move} for a in speakers], "task": index})
-        return transcripts
-
-    def _slip(self, mover: int) -> None:
-        """Agent ``mover`` (to move now) tries an invalid move, if the game forgives it: one of the game's earlier
-        moves that is not legal now (e.g. a taken cell), or a legal move cut short (e.g. ``[4``, a reply that ended too
-        soon), drawn with ``np_random``. Else (no candidate, or the game would not forgive it) nothing happens."""
-        state = self.episode
-        candidates = [m for m in dict.fromkeys(state.moves) if m not in state.legal]
-        candidates += [m[:-1] for m in state.legal if len(m) > 1 and m[:-1] not in state.legal]
-        if not candidates:
-            return
-        slip = candidates[int(self.np_random.integers(len(candidates)))]
-        probe = self._game(state.game_seed, state.moves)  # a replay: the game may take what looks invalid (TextArena adds brackets)
-        probe.move(slip)
-        if probe.forgiven:
-            self._say(slip)
-
-    def _say(self, move: str) -> list[int]:
-        """The team plays ``move`` as this team step: the agent to move says it; in a puzzle, every agent in its
-        workflow's turn (the answering one's reply is the move), so a warm start shows the team proposing a move and
-        the answering agent playing it. Returns who spoke, in order."""
-        speakers = []
-        while (due := self.speakers()) and (self.puzzle or not speakers):
-            self.take_turn(due[0], move)
-            speakers.append(due[0])
-        self.step(self.turn_actions())
-        return speakers
+        """``n`` one-move transcripts of random legal play, each prompted exactly as training prompts that move
+        (:func:`marft.envs.textarena.demonstrations.random_legal_demonstrations`: ``choose``, ``recovery_share``)."""
+        return random_legal_demonstrations(self, n, choose, recovery_share)

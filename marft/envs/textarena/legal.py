@@ -101,6 +101,12 @@ def _frozen_lake(game, player: int) -> list[str]:
     return [f"[{name}]" for name, (dr, dc) in game.actions.items() if 0 <= r + dr < n and 0 <= c + dc < n]
 
 
+def _secret_mafia(game, player: int) -> list[str]:
+    # every phase takes a living player's number: a vote, a night's target (the game accepts any living player, the
+    # player itself and a fellow Mafia too), or in the discussion a suspicion (where the game takes any text)
+    return [f"[{p}]" for p in game.state.game_state["alive_players"]]
+
+
 def _fixed(*moves: str) -> Callable[[Any, int], list[str]]:
     return lambda game, player: list(moves)
 
@@ -119,6 +125,7 @@ READERS: dict[str, Callable[[Any, int], list[str]]] = {
     "MastermindEnv": _mastermind,
     "TowerOfHanoiEnv": _tower_of_hanoi,
     "FrozenLakeEnv": _frozen_lake,
+    "SecretMafiaEnv": _secret_mafia,
 }
 """TextArena game class name → ``reader(game, player) -> legal moves`` of ``player`` (the one to move) now."""
 
@@ -131,6 +138,10 @@ RANDOM_OPPONENT_GAMES = ("TicTacToe-v0", "KuhnPoker-v0", "PigDice-v0", "ConnectF
 PUZZLES = ("GuessTheNumber-v0", "Mastermind-v0", "TowerOfHanoi-v0", "FrozenLake-v0")
 """One-player games (TextArena 0.7.4) whose legal moves are read, so a team's warm start has random legal play to
 learn the move format from (``demonstrations``); other puzzles play too, warm-started from transcripts of your own."""
+
+
+TEAM_GAMES_READ = ("SecretMafia-v0",)
+"""Team games (:mod:`marft.envs.textarena.teams`) whose legal moves are read: their warm start has random legal play."""
 
 
 def legal_moves(game, player: int, messages: str) -> list[str]:

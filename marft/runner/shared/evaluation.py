@@ -13,7 +13,7 @@ from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.runner.shared.turns import play_team_step
 
-GAME_FIELDS = ("outcome", "seat", "invalid_move", "invalid_attempts", "outcome_by_role", "reward_by_role", "game_moves")
+GAME_FIELDS = ("outcome", "seat", "invalid_move", "invalid_attempts", "outcome_by_role", "reward_by_role", "side_by_role", "game_moves")
 """Final-step info a game env reports (win / draw / loss, the agent's seat, an invalid move that ended the game, the
 invalid moves the game forgave, every move of the game in order, both players' and the forgiven attempts): kept in
 transcripts."""

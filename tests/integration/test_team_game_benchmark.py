@@ -1,0 +1,54 @@
+"""``scripts/team_game_benchmark.py``: the team-game recipe as its commands, and the trained side's figures."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import team_game_benchmark  # noqa: E402
+
+pytest.importorskip("textarena", reason="textarena is not installed (pip install -r requirements-dev.txt)")
+
+
+def test_side_wins_weighs_each_side_by_its_games():
+    games = {"role": "Villager", "side_Village": {"win": 0.25, "games": 4}, "invalid_move_rate": 0.5}
+    assert team_game_benchmark.side_wins(games) == pytest.approx(0.25)
+
+
+def test_the_steps_are_the_guides_commands_with_the_training_flags_on_marft_train_only():
+    args, extra = team_game_benchmark.parse_args(["--seed", "2", "--output_dir", "out", "--invalid_move_penalty", "1"])
+    steps = team_game_benchmark.commands(args, extra)
+    assert list(steps) == ["sft", "before_vs_frozen", "before_vs_random", "train", "after_vs_frozen", "after_vs_random"]
+    assert "--invalid_move_penalty" in steps["train"] and not any("--invalid_move_penalty" in s for n, s in steps.items() if n != "train")
+    assert steps["sft"][steps["sft"].index("--seed") + 1] == "2" == steps["train"][steps["train"].index("--seed") + 1]
+    assert steps["train"][steps["train"].index("--frozen_roles") + 1] == "Mafia"
+    assert steps["after_vs_random"][steps["after_vs_random"].index("--versus_random") + 1] == "Mafia"
+    assert "--versus_random" not in steps["after_vs_frozen"]
+    guide = " ".join((ROOT / "docs" / "games.md").read_text().replace("\\\n", " ").split())
+    assert " ".join(team_game_benchmark.TEAM_FLAGS.split()) in guide, "the script's flags are the guide's $TEAM"
+
+
+def test_the_random_baseline_plays_random_legal_moves_for_every_player(capsys):
+    result = team_game_benchmark.main(["--random_baseline", "--episodes", "6"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert result["role"] == "Villager" and 0 <= result["win"] <= 1 and result["mean_moves"] > 4
+    again = team_game_benchmark.random_baseline("textarena:SecretMafia-v0", "secret_mafia", 6)
+    assert again == result  # seeded by the game
+
+
+@pytest.mark.slow
+def test_the_json_line_holds_the_trained_sides_win_rates_from_its_evaluation_games(random_model_dir, tmp_path, capsys):
+    out = tmp_path / "team"
+    result = team_game_benchmark.main(["--model_name_or_path", random_model_dir, "--sft_steps", "2", "--n_demonstrations", "16",
+                                       "--n_rollout_threads", "2", "--num_env_steps", "128", "--episodes", "4", "--output_dir", str(out),
+                                       "--eval_episodes", "2", "--n_eval_threads", "2"])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    for name in ("before_vs_frozen", "before_vs_random", "after_vs_frozen", "after_vs_random"):
+        games = [json.loads(line) for line in (out / "eval" / name / "transcripts.jsonl").read_text().splitlines()]
+        assert len(games) == 4 and all(g["side_by_role"]["Villager"] == "Village" for g in games)
+        assert result[name] == pytest.approx(sum(g["outcome_by_role"]["Villager"] == "win" for g in games) / 4, abs=1e-4)
+    assert json.loads((out / "rl" / "config.json").read_text())["algo"]["frozen_roles"] == "Mafia"
