@@ -120,7 +120,7 @@ def validate(config: TrainConfig):
     opponent_role = check_opponent(config, [spec.role for spec in profile], self_play=getattr(make_train_env().unwrapped, "competitive", False))
     if opponent_role is not None and opponent_role not in config.algo.frozen:  # recorded in the run's config: a resume keeps it
         config.algo.frozen_roles = ",".join([*config.algo.frozen, opponent_role])
-    check_frozen_roles(config, profile)
+    check_frozen_roles(config, profile, competitive=getattr(make_train_env().unwrapped, "competitive", False))
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env
@@ -133,11 +133,14 @@ def check_generation_backend(config: TrainConfig) -> None:
         check_vllm(config.model)
 
 
-def check_frozen_roles(config: TrainConfig, profile) -> None:
-    """``--frozen_roles`` names roles of the team, leaves one to train, and does not freeze a shared adapter.
+def check_frozen_roles(config: TrainConfig, profile, competitive: bool = False) -> None:
+    """``--frozen_roles`` names roles of the team, leaves one to train, and does not freeze a shared adapter; in a
+    self-play or team game (``competitive``) not the profile's first role, whose games (its side winning) the run's
+    accuracy, ``--on_collapse`` and ``checkpoints/best`` follow: they would follow the fixed side.
 
     Raises:
-        ValueError: an unknown role, every role frozen, or ``--shared_lora`` (one adapter for all)."""
+        ValueError: an unknown role, every role frozen, the first role of a competitive game frozen, or
+            ``--shared_lora`` (one adapter for all)."""
     frozen = config.algo.frozen
     if not frozen:
         return
@@ -147,6 +150,10 @@ def check_frozen_roles(config: TrainConfig, profile) -> None:
         raise ValueError(f"--frozen_roles names {unknown}, not roles of the team {roles}")
     if set(frozen) >= set(roles):
         raise ValueError(f"--frozen_roles freezes every role of the team {roles}: nothing would train")
+    if competitive and roles[0] in frozen:
+        raise ValueError(f"--frozen_roles freezes {roles[0]!r}, the profile's first role: in a self-play or team game the run's accuracy, "
+                         f"--on_collapse and checkpoints/best follow the first role's games, so they would follow the fixed side; "
+                         f"put a role that trains first in the profile (a profile of your own: the same agents, a trained role first)")
     if config.model.shared_lora:
         raise ValueError("--frozen_roles with --shared_lora: the roles share one adapter, so none can stay as it is")
 

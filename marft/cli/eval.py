@@ -32,8 +32,8 @@ def build_parser():
     p.add_argument("--generation_backend", choices=list(GENERATION_BACKENDS),
                    help="what samples the replies (default: the run's; vllm needs vLLM installed, see docs/vllm.md)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--versus_random", metavar="ROLE", help="self-play games: the random-legal-move player moves for ROLE; "
-                   "the game figures are the other role's against it")
+    p.add_argument("--versus_random", metavar="ROLE", help="self-play games: the random-legal-move player moves for ROLE "
+                   "(comma-separated roles: a team game's side); the game figures are the first other role's against it")
     p.add_argument("--versus_checkpoint", metavar="PATH", help="self-play games: --versus_role plays with its adapter from this checkpoint "
                    "(or run directory) of the same team, e.g. the warm start: the trained agent against its initial self")
     p.add_argument("--versus_role", metavar="ROLE", help="the role that plays from --versus_checkpoint")

@@ -271,19 +271,21 @@ def game_figures(transcripts: list[dict], roles: Sequence[str], perspective: str
 
 
 def versus_random_player(make_env, role: str):
-    """``(make_env, the other role)``: the env of a self-play game with the random-legal-move player moving for ``role``.
+    """``(make_env, the first other role)``: the env of a self-play game with the random-legal-move player moving for
+    ``role`` (comma-separated roles: a team game's side, e.g. ``Villager,Doctor,Detective``).
 
     Raises:
-        ValueError: the env is not a self-play game, or ``role`` is not one of its roles."""
+        ValueError: the env is not a self-play game, or ``role`` names none or every one of its roles."""
     probe = make_env().unwrapped
     if not hasattr(probe, "play_randomly"):
         raise ValueError(f"--versus_random is for self-play games (textarena:<id> with a two-agent profile), not {type(probe).__name__}")
-    probe.play_randomly([role])  # checks the role
-    other = next(r for r in probe.roles if r != role)
+    roles = [r.strip() for r in role.split(",") if r.strip()]
+    probe.play_randomly(roles)  # checks the roles
+    other = next(r for r in probe.roles if r not in roles)
 
     def make_versus():
         env = make_env()
-        env.unwrapped.play_randomly([role])
+        env.unwrapped.play_randomly(roles)
         return env
 
     return make_versus, other

@@ -75,13 +75,77 @@ def test_each_agent_sees_the_game_as_the_player_it_moves_for():
         env.step(env.turn_actions())
 
 
-def test_a_profile_named_otherwise_plays_the_roles_in_the_registrys_order_and_a_wrong_count_is_refused():
+def mafia_first(tmp_path) -> str:
+    """The secret_mafia agents with the Mafia first: a run that trains the Mafia follows their games."""
+    from marft.envs.profile import PROFILE_DIR
+
+    agents = json.loads((PROFILE_DIR / "secret_mafia.json").read_text())
+    path = tmp_path / "mafia_first.json"
+    path.write_text(json.dumps(agents[3:] + agents[:3]))
+    return str(path)
+
+
+def test_agents_play_the_roles_they_are_named_after_in_any_order(tmp_path):
+    named, reordered = make(MAFIA, split="test", profile="secret_mafia"), make(MAFIA, split="test", profile=mafia_first(tmp_path))
+    for env in (named, reordered):
+        env.reset(options={"task_index": 2})
+    assert reordered.roles == ("Mafia", "Villager", "Doctor", "Detective")
+    assert [reordered.roles[a] for a in reordered.episode.seat_agents] == [named.roles[a] for a in named.episode.seat_agents]
+    movers, rewards, info = play(reordered, 2)
+    assert info["correct"] == (info["side_by_role"]["Mafia"] == "Mafia" and info["outcome_by_role"]["Mafia"] == "win")
+
+
+def test_a_profile_named_otherwise_plays_the_roles_in_the_registrys_order_and_a_wrong_team_is_refused():
     named, anonymous = make(MAFIA, split="test", profile="secret_mafia"), make(MAFIA, split="test", profile="secret_mafia_anonymous")
     for env in (named, anonymous):
         env.reset(options={"task_index": 2})
     assert anonymous.game_roles == list(named.roles) and anonymous.episode.seat_agents == named.episode.seat_agents
     with pytest.raises(ValueError, match="team game: its profile has one agent per role the game deals.*not 2"):
         make(MAFIA, profile="game_seats")
+    from marft.envs.profile import AgentSpec
+
+    partly = [AgentSpec(role=role, prompt="Answer [4].", with_answer=True) for role in ("Mafia", "Villager", "Doctor", "Seer")]
+    with pytest.raises(ValueError, match="named as the game's roles.*each once"):
+        make(MAFIA, profile=partly)
+
+
+def test_a_vote_written_with_the_players_name_reaches_every_view_as_the_game_counts_it():
+    """SecretMafia counts "[Player 3]" as a vote for 3, but TextArena strips such tags from what others are shown: the
+    env gives the game "[3]", so a vote cannot be hidden from the other players (nor a move differ from its record)."""
+    env = make(MAFIA, split="test", profile="secret_mafia")
+    env.reset(options={"task_index": 0})
+    rng = np.random.default_rng(0)
+    while env.episode.seat_agents[env.episode.to_move] != 3 or env.episode.to_move == -1:
+        env.take_turn(*random_legal(env, rng))
+        env.step(env.turn_actions())
+    (agent,) = env.speakers()
+    target = env.episode.legal[0][1:-1]
+    env.take_turn(agent, f"I vote [Player {target}]")
+    env.step(env.turn_actions())
+    assert env.episode.moves[-1] == f"I vote [{target}]"
+    mafia = [p for p, a in enumerate(env.episode.seat_agents) if a == 3]
+    teammate_view = env._game(env.episode.game_seed, env.episode.moves).unread
+    assert any(f"I vote [{target}]" in teammate_view[p] for p in mafia)
+
+
+def test_a_player_moving_twice_in_a_row_by_the_rules_sees_only_what_followed_its_move():
+    """In SecretMafia a player may move again at once without any retry (the day's last voter opens the night): its
+    view then starts afresh, as after any move; only a forgiven invalid move keeps what the player saw."""
+    env = make(MAFIA, split="test", profile="secret_mafia")
+    repeats = 0
+    for task in range(30):
+        env.reset(options={"task_index": task})
+        rng = np.random.default_rng(task)
+        while not env.episode.done:
+            state, (agent,) = env.episode, env.speakers()
+            before = env.private_observations()[agent]
+            env.take_turn(agent, state.legal[int(rng.integers(len(state.legal)))])
+            env.step(env.turn_actions())
+            after = env.episode
+            if not after.done and after.to_move == state.to_move and after.retries == state.retries:
+                repeats += 1
+                assert not env.private_observations()[agent].startswith(before)
+    assert repeats >= 5
 
 
 def test_a_checkpointed_team_game_continues_exactly_and_transitions_are_pure():
@@ -128,7 +192,7 @@ def test_one_side_trains_while_the_other_is_frozen(random_model_dir, tmp_path):
     from marft.cli.train import main
 
     run = tmp_path / "run"
-    code = main(["--model_name_or_path", random_model_dir, "--env_name", MAFIA, "--profile_path", "secret_mafia",
+    code = main(["--model_name_or_path", random_model_dir, "--env_name", MAFIA, "--profile_path", mafia_first(tmp_path),
                  "--algorithm_name", "APPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent",
                  "--frozen_roles", "Villager,Doctor,Detective", "--entropy_coef", "0.1", "--update_on_constant_rewards", "true",
                  "--max_new_tokens", "4", "--context_window", "1024", "--n_rollout_threads", "2", "--horizon", "8",
@@ -150,6 +214,7 @@ def test_one_side_trains_while_the_other_is_frozen(random_model_dir, tmp_path):
     (("--profile_path", "game_seats"), "team game: its profile has one agent per role the game deals"),
     (("--opponent", "pool:2"), "a pool holds snapshots of the one trained role of a two-seat game"),
     (("--credit_assignment", "env"), "--credit_assignment own_turns"),
+    (("--frozen_roles", "Villager,Doctor,Detective"), "freezes 'Villager', the profile's first role"),
 ])
 def test_a_team_game_run_is_checked_before_the_model_loads(random_model_dir, tmp_path, capsys, monkeypatch, flags, message):
     from marft.cli.train import main

@@ -211,7 +211,10 @@ class Game:
         self._collect(mover=player)
         # the move was invalid and TextArena lets the player try again
         self.forgiven = not self.done and self.current_player == player and "invalid" in self.from_game[player].lower()
-        if not self.done and self.current_player == player:
+        # a team game's player may also move twice in a row by the rules (the day's last voter opens the Mafia's night):
+        # there only a forgiven retry keeps what the player saw
+        again = self.forgiven if len(self.players) > 2 else not self.done and self.current_player == player
+        if again:
             self.unread[player] = seen + self.unread[player]
             self.from_game[player] = seen_from_game + self.from_game[player]
             self.since_board[player] = seen_board + self.before_board[player]
@@ -318,13 +321,9 @@ class TextArenaEnv(MultiAgentTextEnv):
         self.team = team_game(game_id) if self.n_players > 2 else None
         """A team game (:mod:`.teams`, e.g. SecretMafia): one agent per role the game deals, each paid its players' reward."""
         if self.team is not None:
-            roles = [spec.role for spec in self.profile]
-            if len(roles) != len(self.team.roles):
-                raise ValueError(f"{game_id} is a team game: its profile has one agent per role the game deals, {list(self.team.roles)} "
-                                 f"(--profile_path secret_mafia), not {len(roles)} ({', '.join(roles)})")
-            self.game_roles = list(self.team.roles) if sorted(roles) != sorted(self.team.roles) else roles
-            """Per agent, the game's role it plays: the role of its name, or (a profile with other names, e.g. an anonymous
-            one) the game's roles in the order :mod:`.teams` lists them."""
+            self.game_roles = self._game_roles(game_id)
+            """Per agent, the game's role it plays: the role of its name, or (a profile whose names are none of the game's,
+            e.g. an anonymous one) the game's roles in the order :mod:`.teams` lists them."""
         elif not self.puzzle and len(self.profile) not in (1, 2):
             raise ValueError(f"a two-player TextArena game is played by one agent (against a fixed opponent) or two "
                              f"(self-play); the profile has {len(self.profile)}: {[s.role for s in self.profile]}")
@@ -351,6 +350,21 @@ class TextArenaEnv(MultiAgentTextEnv):
         if view == "board" and not probe.has_board[probe.current_player]:
             raise ValueError(f"{game_id} shows no board at its start (a message TextArena marks GAME_BOARD), so the 'board' view "
                              f"would show the rules alone; use the 'since_move' view")
+
+    def _game_roles(self, game_id: str) -> list[str]:
+        """A team game's role per agent (:attr:`game_roles`).
+
+        Raises:
+            ValueError: a profile of another size, or whose names are some but not all of the game's roles."""
+        roles = [spec.role for spec in self.profile]
+        if len(roles) != len(self.team.roles):
+            raise ValueError(f"{game_id} is a team game: its profile has one agent per role the game deals, {list(self.team.roles)} "
+                             f"(--profile_path secret_mafia), not {len(roles)} ({', '.join(roles)})")
+        named = [role for role in roles if role in self.team.roles]
+        if named and sorted(roles) != sorted(self.team.roles):
+            raise ValueError(f"{game_id} is a team game: its profile's agents are named as the game's roles, "
+                             f"{list(self.team.roles)}, each once (or none is, and they play them in that order); got {roles}")
+        return roles if named else list(self.team.roles)
 
     @property
     def num_tasks(self) -> int:
@@ -524,10 +538,11 @@ class TextArenaEnv(MultiAgentTextEnv):
         actions = self._check_actions(actions)
         game = self._game(state.game_seed, state.moves)
         mover = self.agent_of(game.current_player, state) if self.self_play else self.mover
-        game.move(actions[mover])
+        move = self.team.canonical(actions[mover]) if self.team is not None else actions[mover]
+        game.move(move)
         forgiven = game.forgiven  # read now: the opponent's moves below run on the same game
         retries = tuple(r + (a == mover and forgiven) for a, r in enumerate(state.retries))
-        moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (actions[mover],), state.opponent_moves,
+        moves, made = self._opponent_moves(game, state.seat, state.game_seed, state.moves + (move,), state.opponent_moves,
                                            state.seat_agents)
         step = state.step + 1
         new = replace(self._state(state, game, state.seat, state.game_seed, moves, made), retries=retries, step=step)

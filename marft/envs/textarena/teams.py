@@ -13,6 +13,7 @@ how many players it is played by here and where its state names each player's ro
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,21 @@ class TeamGame:
     """``seat_roles(game) -> {player id: role}``: the roles the game dealt (TextArena's game object, under its wrappers)."""
     sides: Callable[[Any], dict[int, str]]
     """``sides(game) -> {player id: side}``: who plays with whom (e.g. ``Village``, ``Mafia``)."""
+    canonical: Callable[[str], str] = str
+    """``canonical(reply) -> move``: a reply as the game is given it (and the transcript records it)."""
 
 
 def _mafia_roles(game) -> dict[int, str]:
     return dict(game.player_roles)
+
+
+PLAYER_TAG = re.compile(r"\[\s*player\s*(\d+)\s*\]", re.IGNORECASE)
+
+
+def _mafia_move(reply: str) -> str:
+    # SecretMafia counts "[Player 3]" as a vote for 3 (as its rules ask), but TextArena strips such tags from what the
+    # other players are shown, so the vote would be hidden from them: written "[3]", everyone sees whom it names
+    return PLAYER_TAG.sub(r"[\1]", reply)
 
 
 def _mafia_sides(game) -> dict[int, str]:
@@ -41,7 +53,8 @@ def _mafia_sides(game) -> dict[int, str]:
 
 
 TEAM_GAMES: dict[str, TeamGame] = {
-    "SecretMafia": TeamGame(players=6, roles=("Villager", "Doctor", "Detective", "Mafia"), seat_roles=_mafia_roles, sides=_mafia_sides),
+    "SecretMafia": TeamGame(players=6, roles=("Villager", "Doctor", "Detective", "Mafia"), seat_roles=_mafia_roles, sides=_mafia_sides,
+                            canonical=_mafia_move),
 }
 """A team game's id before ``-v`` → how marft plays it (TextArena 0.7.4). SecretMafia with 6 players deals 2 Mafia, a
 Doctor, a Detective and 2 Villagers; Codenames needs NLTK data that no pip package ships (see ``docs/games.md``)."""
