@@ -157,7 +157,7 @@ class AlgoConfig:
     train_orchestrator: bool = True
     """Orchestrated workflows: train the orchestrator like every agent (false: it keeps its adapter as it is, its turns still count in the critic's data)."""
     frozen_roles: Optional[str] = None
-    """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game); their turns still count in the critic's data."""
+    """Comma-separated roles whose adapters are never trained (none: every role trains): they play with the adapter they start with (from --load_path: a fixed opponent taken from a warm start or a past checkpoint, e.g. one seat of a self-play game or one side of a team game); their turns still count in the critic's data. In a self-play or team game not the profile's first role, whose games the run's accuracy and checkpoints/best follow."""
     opponent: Optional[str] = None
     """Self-play games: checkpoint:PATH plays --opponent_role with its adapter from PATH (a checkpoint or run directory of the same team: base model, profile, LoRA shape), never trained (it joins --frozen_roles), while the other roles train from --load_path or from scratch. pool:K (two-seat games): --opponent_role plays each game with one of the K latest snapshots of the other role's adapter, drawn per game (a snapshot every --opponent_refresh iterations, the oldest replaced; the first is the adapter training starts from), never trained itself. None: every role is the team's own."""
     opponent_role: Optional[str] = None

@@ -11,6 +11,9 @@ types them (SecretMafia by default: the Village's three roles train, the Mafia s
 3. ``marft train`` from the warm start with the other side frozen (``--frozen_roles``), with any further flags given here;
 4. the same two evaluations of the trained team.
 
+``--votes TRANSCRIPTS.jsonl`` (SecretMafia) counts whom the votes of an evaluation's games named: per phase and the
+voter's side, a living player of its own side, of the other side, or no living player.
+
 ``--random_baseline`` plays random legal moves for every player instead (no model, ``--episodes`` held-out games) and
 prints one line of JSON: the reported role's side's win rate, the unfinished share and the mean moves of a game.
 
@@ -47,6 +50,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     add_recipe_args(p, sft_steps=300, n_demonstrations=2000, n_rollout_threads=16, num_env_steps=20480,
                     moves="20480: 20 iterations of 16 x 64", episodes=1000, runs="team_game")
     p.add_argument("--random_baseline", action="store_true", help="random legal play on every side instead (no model)")
+    p.add_argument("--votes", metavar="TRANSCRIPTS", help="SecretMafia: count whom the votes of these evaluation games named")
     return p.parse_known_args(argv)
 
 
@@ -107,8 +111,43 @@ def random_baseline(env_name: str, profile_path: str, episodes: int) -> dict:
             "mean_moves": float(np.mean(moves))}
 
 
+def mafia_votes(transcripts: str | Path) -> dict[str, int]:
+    """SecretMafia: whom the votes of an evaluation's games named (``transcripts.jsonl`` of ``marft eval`` or a run's
+    ``transcripts/eval_<N>.jsonl``), replayed move by move: per phase and the voter's side, how many named a living
+    player of the voter's own side, of the other side, or no living player. Test-split games (held-out seeds)."""
+    import re
+
+    from marft.envs.textarena.env import Game
+
+    counts: dict[str, int] = {}
+    for line in Path(transcripts).read_text().splitlines():
+        game_row = json.loads(line)
+        game = Game("SecretMafia-v0", 1_000_000 + game_row["task"], 6)
+        roles = game.base.player_roles
+        for move in game_row["game_moves"]:
+            if game.done:
+                break
+            phase, voter = game.base.phase.value, roles[game.current_player]
+            if phase in ("Night-Mafia", "Day-Voting"):
+                named = re.search(r"\[(?:player\s*)?(\d+)\]", move, re.IGNORECASE)
+                target = int(named.group(1)) if named else None
+                side = "Mafia" if voter == "Mafia" else "Village"
+                if target not in game.base.state.game_state["alive_players"]:
+                    verdict = "no_living_player"
+                else:
+                    verdict = "own_side" if (roles[target] == "Mafia") == (voter == "Mafia") else "other_side"
+                key = f"{phase}/{side}/{verdict}"
+                counts[key] = counts.get(key, 0) + 1
+            game.move(move)
+    return dict(sorted(counts.items()))
+
+
 def main(argv=None) -> dict:
     args, train_flags = parse_args(argv)
+    if args.votes:
+        result = {"bench": "mafia_votes", "transcripts": args.votes, **mafia_votes(args.votes)}
+        print(json.dumps(result), flush=True)
+        return result
     if args.random_baseline:
         result = random_baseline(args.env_name, args.profile_path, args.episodes)
         print(json.dumps(result), flush=True)

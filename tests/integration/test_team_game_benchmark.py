@@ -40,6 +40,35 @@ def test_the_random_baseline_plays_random_legal_moves_for_every_player(capsys):
     assert again == result  # seeded by the game
 
 
+def test_the_vote_count_replays_each_game_and_judges_every_vote_by_the_voters_side(tmp_path, capsys):
+    from marft.envs import make
+
+    env = make("textarena:SecretMafia-v0", split="test", profile="secret_mafia")
+    env.reset(options={"task_index": 1})
+    votes, judged = 0, {"own_side": 0, "other_side": 0, "no_living_player": 0}
+    while not env.episode.done:
+        state, (agent,) = env.episode, env.speakers()
+        game = env._game(state.game_seed, state.moves)
+        roles, phase = game.base.player_roles, game.base.phase.value
+        move = "[7]" if len(state.moves) % 5 == 0 else state.legal[len(state.moves) % len(state.legal)]  # [7]: nobody
+        if phase in ("Night-Mafia", "Day-Voting"):
+            votes += 1
+            target = int(move[1:-1])
+            mafia_voter = roles[game.current_player] == "Mafia"
+            alive = game.base.state.game_state["alive_players"]
+            judged["no_living_player" if target not in alive else "own_side" if (roles[target] == "Mafia") == mafia_voter
+                   else "other_side"] += 1
+        env.take_turn(agent, move)
+        *_, info = env.step(env.turn_actions())
+    path = tmp_path / "transcripts.jsonl"
+    path.write_text(json.dumps({"task": 1, "game_moves": info["game_moves"]}) + "\n")
+    result = team_game_benchmark.main(["--votes", str(path)])
+    counts = {k: v for k, v in result.items() if "/" in k}
+    assert sum(counts.values()) == votes > 0
+    for verdict, n in judged.items():
+        assert sum(v for k, v in counts.items() if k.endswith("/" + verdict)) == n
+
+
 @pytest.mark.slow
 def test_the_json_line_holds_the_trained_sides_win_rates_from_its_evaluation_games(random_model_dir, tmp_path, capsys):
     out = tmp_path / "team"
