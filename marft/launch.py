@@ -111,16 +111,18 @@ def validate(config: TrainConfig):
     make_train_env, make_eval_env = build_env_factories(config, profile)
     for split, make_env in (("train", make_train_env), ("test", make_eval_env)):
         probe_env(make_env, profile, f"--env_name {config.env.env_name} ({split})")
-    if trainer_class(config.algo.algorithm_name).group_relative and not make_train_env().unwrapped.num_tasks:
+    train_env = make_train_env().unwrapped  # built once for the checks below
+    if trainer_class(config.algo.algorithm_name).group_relative and not train_env.num_tasks:
         raise ValueError(
             f"--algorithm_name {config.algo.algorithm_name} resets each group of envs on one task, by reset(options={{'task_index': i}}); "
             f"--env_name {config.env.env_name} sets no num_tasks (see docs/environments.md, 'Tasks by index')"
         )
-    check_competitive(config, make_train_env().unwrapped)
-    opponent_role = check_opponent(config, [spec.role for spec in profile], self_play=getattr(make_train_env().unwrapped, "competitive", False))
+    competitive = getattr(train_env, "competitive", False)
+    check_competitive(config, train_env)
+    opponent_role = check_opponent(config, [spec.role for spec in profile], self_play=competitive)
     if opponent_role is not None and opponent_role not in config.algo.frozen:  # recorded in the run's config: a resume keeps it
         config.algo.frozen_roles = ",".join([*config.algo.frozen, opponent_role])
-    check_frozen_roles(config, profile, competitive=getattr(make_train_env().unwrapped, "competitive", False))
+    check_frozen_roles(config, profile, competitive=competitive)
     if config.runner.load_path:
         check_work_left(config)
     return profile, make_train_env, make_eval_env

@@ -113,29 +113,29 @@ def random_baseline(env_name: str, profile_path: str, episodes: int) -> dict:
 
 def mafia_votes(transcripts: str | Path) -> dict[str, int]:
     """SecretMafia: whom the votes of an evaluation's games named (``transcripts.jsonl`` of ``marft eval`` or a run's
-    ``transcripts/eval_<N>.jsonl``), replayed move by move: per phase and the voter's side, how many named a living
-    player of the voter's own side, of the other side, or no living player. Test-split games (held-out seeds)."""
-    import re
-
+    ``transcripts/eval_<N>.jsonl``, test-split games), replayed move by move and read as the game reads a vote: per
+    phase and the voter's side, how many named a living player of the voter's own side, of the other side, or none."""
+    from marft.envs import make
     from marft.envs.textarena.env import Game
 
+    env = make("textarena:SecretMafia-v0", split="test", profile="secret_mafia")
+    sides = env.team.sides  # role -> side
     counts: dict[str, int] = {}
     for line in Path(transcripts).read_text().splitlines():
         game_row = json.loads(line)
-        game = Game("SecretMafia-v0", 1_000_000 + game_row["task"], 6)
+        game = Game(env.game_id, env.seed_offset + game_row["task"], env.n_players)
         roles = game.base.player_roles
         for move in game_row["game_moves"]:
             if game.done:
                 break
-            phase, voter = game.base.phase.value, roles[game.current_player]
+            phase, side = game.base.phase.value, sides[roles[game.current_player]]
             if phase in ("Night-Mafia", "Day-Voting"):
-                named = re.search(r"\[(?:player\s*)?(\d+)\]", move, re.IGNORECASE)
+                named = game.base.voting_pattern.search(move)  # the game's own reading of a vote
                 target = int(named.group(1)) if named else None
-                side = "Mafia" if voter == "Mafia" else "Village"
                 if target not in game.base.state.game_state["alive_players"]:
                     verdict = "no_living_player"
                 else:
-                    verdict = "own_side" if (roles[target] == "Mafia") == (voter == "Mafia") else "other_side"
+                    verdict = "own_side" if sides[roles[target]] == side else "other_side"
                 key = f"{phase}/{side}/{verdict}"
                 counts[key] = counts.get(key, 0) + 1
             game.move(move)

@@ -185,9 +185,9 @@ def few_rows_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
     A decode step multiplies a few rows (one per env) by every weight of the model, and CPU BLAS computes ``x Wᵀ``
     for a few rows well below its speed on the same bytes as ``W xᵀ``; the gain shrinks as the rows grow and turns
-    into a loss past about a hundred rows (measured on a decode step and a prompt forward), hence the threshold. The sums are the same products in another order: equal to float32 rounding
-    (``tests/agents/test_unpadded.py``). Anything else (an adapter layer, a GPU, a forward under autograd, more
-    rows) is called as it is."""
+    into a loss past about a hundred rows (on a decode step and on a prompt forward), hence the threshold. The sums are
+    the same products in another order: equal to float32 rounding (``tests/agents/test_unpadded.py``). Anything else
+    (an adapter layer, a GPU, a forward under autograd, more rows) is called as it is."""
     if type(layer) is not nn.Linear or x.device.type != "cpu" or x.dim() != 2 or x.shape[0] > FEW_ROWS or torch.is_grad_enabled():
         return layer(x)
     out = torch.mm(layer.weight, x.t()).t().contiguous()  # (M, out)

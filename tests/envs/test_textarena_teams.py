@@ -92,7 +92,7 @@ def test_agents_play_the_roles_they_are_named_after_in_any_order(tmp_path):
     assert reordered.roles == ("Mafia", "Villager", "Doctor", "Detective")
     assert [reordered.roles[a] for a in reordered.episode.seat_agents] == [named.roles[a] for a in named.episode.seat_agents]
     movers, rewards, info = play(reordered, 2)
-    assert info["correct"] == (info["side_by_role"]["Mafia"] == "Mafia" and info["outcome_by_role"]["Mafia"] == "win")
+    assert info["correct"] == (info["outcome_by_role"]["Mafia"] == "win") and info["side_by_role"]["Mafia"] == "Mafia"
 
 
 def test_a_profile_named_otherwise_plays_the_roles_in_the_registrys_order_and_a_wrong_team_is_refused():

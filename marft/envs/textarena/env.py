@@ -249,6 +249,12 @@ def start_game(game_id: str) -> Game:
                          f"marft.envs.textarena.teams does not register, or an error in TextArena): {type(error).__name__}: {error}{hint}") from error
 
 
+def _agent_of(player: int, seat: int, seat_agents: tuple[int, ...]) -> int:
+    """The agent that moves for ``player``: a team game's by its deal (``seat_agents``), else by the seating (agent
+    ``a`` plays seat ``(a + seat) % 2``)."""
+    return seat_agents[player] if seat_agents else (player - seat) % 2
+
+
 class MoveWorkflow(Workflow):
     """Self-play: one team step is one move, by the agent whose seat the game says is to move (the env sets
     ``turns.due`` at the start of every step; the profile's own workflow does not apply)."""
@@ -387,7 +393,7 @@ class TextArenaEnv(MultiAgentTextEnv):
         return state.to_move if state.to_move in players else players[0]
 
     def agent_of(self, seat: int, state: GameState) -> int:
-        return state.seat_agents[seat] if state.seat_agents else (seat - state.seat) % 2
+        return _agent_of(seat, state.seat, state.seat_agents)
 
     def _seat_agents(self, game: Game) -> tuple[int, ...]:
         """A team game: per player id, the agent of the role the game dealt it (every agent must get one); () otherwise.
@@ -483,12 +489,8 @@ class TextArenaEnv(MultiAgentTextEnv):
         :attr:`GameState.seat_agents`); ``made``: its moves so far. Its k-th choice is drawn from a generator seeded
         by (game seed, k), so transitions are pure and the agent cannot re-draw the opponent's reply by wasting
         attempts. Returns (moves, the opponent's count)."""
-
-        def random_to_move() -> bool:
-            player = game.current_player
-            return (seat_agents[player] if seat_agents else (player - seat) % 2) in self.random_agents
-
-        while not game.done and (game.current_player != seat if not self.self_play else random_to_move()):
+        while not game.done and (game.current_player != seat if not self.self_play
+                                 else _agent_of(game.current_player, seat, seat_agents) in self.random_agents):
             options = game.legal_moves()
             if not options:  # refused at __init__ for games whose moves are unknown; a position that lists none
                 raise ValueError(f"the random opponent found no legal move in this position of {self.game_id}: "
@@ -565,7 +567,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             info = {"correct": False, "outcome": "unfinished", "seat": state.seat, "invalid_move": False,
                     "moves": len(state.moves), "game_moves": list(state.moves), "invalid_attempts": sum(state.retries)}
             if self.team is not None:
-                info["side_by_role"] = self._sides(game, state)
+                info["side_by_role"] = self.side_by_role()
             if self.self_play:
                 info["invalid_by"] = ""
                 info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
@@ -583,17 +585,16 @@ class TextArenaEnv(MultiAgentTextEnv):
         if self.puzzle:
             info["progress"] = rewards[0]
         if self.team is not None:
-            info["side_by_role"] = self._sides(game, state)
+            info["side_by_role"] = self.side_by_role()
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
             info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
             info["reward_by_role"] = {role: r - p for role, r, p in zip(self.roles, rewards, paid)}
         return StepOutcome(rewards=rewards, solved=True, info=info)
 
-    def _sides(self, game: Game, state: GameState) -> dict[str, str]:
-        """A team game: each role's side (``Village``, ``Mafia`` ...)."""
-        sides = self.team.sides(game.base)
-        return {role: sides[self.players_of(a, state)[0]] for a, role in enumerate(self.roles)}
+    def side_by_role(self) -> dict[str, str]:
+        """A team game: each agent's role's side (``Village``, ``Mafia`` ...)."""
+        return {role: self.team.sides[game_role] for role, game_role in zip(self.roles, self.game_roles)}
 
     def demonstrations(self, n: int, choose=None, recovery_share: float = 0.0) -> list[dict]:
         """``n`` one-move transcripts of random legal play, each prompted exactly as training prompts that move

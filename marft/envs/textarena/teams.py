@@ -29,8 +29,8 @@ class TeamGame:
     """Every role the game deals, as it names them: the profile's agents carry exactly these names."""
     seat_roles: Callable[[Any], dict[int, str]]
     """``seat_roles(game) -> {player id: role}``: the roles the game dealt (TextArena's game object, under its wrappers)."""
-    sides: Callable[[Any], dict[int, str]]
-    """``sides(game) -> {player id: side}``: who plays with whom (e.g. ``Village``, ``Mafia``)."""
+    sides: dict[str, str]
+    """Each role's side (who plays with whom, e.g. ``Village``, ``Mafia``)."""
     canonical: Callable[[str], str] = str
     """``canonical(reply) -> move``: a reply as the game is given it (and the transcript records it)."""
 
@@ -48,12 +48,9 @@ def _mafia_move(reply: str) -> str:
     return PLAYER_TAG.sub(r"[\1]", reply)
 
 
-def _mafia_sides(game) -> dict[int, str]:
-    return {pid: "Mafia" if role == "Mafia" else "Village" for pid, role in game.player_roles.items()}
-
-
 TEAM_GAMES: dict[str, TeamGame] = {
-    "SecretMafia": TeamGame(players=6, roles=("Villager", "Doctor", "Detective", "Mafia"), seat_roles=_mafia_roles, sides=_mafia_sides,
+    "SecretMafia": TeamGame(players=6, roles=("Villager", "Doctor", "Detective", "Mafia"), seat_roles=_mafia_roles,
+                            sides={"Villager": "Village", "Doctor": "Village", "Detective": "Village", "Mafia": "Mafia"},
                             canonical=_mafia_move),
 }
 """A team game's id before ``-v`` → how marft plays it (TextArena 0.7.4). SecretMafia with 6 players deals 2 Mafia, a
