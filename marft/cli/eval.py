@@ -36,10 +36,10 @@ def build_parser():
                    "(comma-separated roles: a team game's side); the game figures are the first other role's against it")
     p.add_argument("--versus_checkpoint", metavar="PATH", help="self-play games: --versus_role plays with its adapter from this checkpoint "
                    "(or run directory) of the same team, e.g. the warm start: the trained agent against its initial self")
-    p.add_argument("--versus_role", metavar="ROLE", help="the role that plays from --versus_checkpoint")
+    p.add_argument("--versus_role", metavar="ROLE", help="the role that plays from --versus_checkpoint (comma-separated roles: a team game's side)")
     p.add_argument("--league", nargs="+", metavar="RUN_OR_CHECKPOINT", help="self-play games: a round robin of these checkpoints "
                    "(a run directory: each of its checkpoints; 'random': the random-legal-move player), --episodes games per "
-                   "pairing of roles (default 100), both seats; writes league.json (openskill ratings, win/draw/loss of every "
+                   "pairing of roles or, in a team game, of sides (default 100), both seats; writes league.json (openskill ratings, win/draw/loss of every "
                    "pair, invalid-move rates) and league.png (rating against training iteration) to --output_dir")
     p.add_argument("--output_dir", help="where summary.json and transcripts.jsonl go (default: <run dir>/eval/steps_<N>[-base_model]/"
                    "<split>-n<N> or <split>-episodes<E>)")

@@ -306,26 +306,30 @@ def opponent(team, config: TrainConfig, make_env, versus_random: str | None, ver
 
 def load_opponent(team, config: TrainConfig, make_env, checkpoint: str | Path, role: str | None) -> str:
     """``role``'s adapter loaded from ``checkpoint`` (a checkpoint or a run directory of the same team: profile, base
-    model and adapter shape), the other roles' kept; returns the other role, whose games the figures are.
+    model and adapter shape), the other roles' kept; returns the first other role, whose games the figures are.
+    ``role`` may name several roles comma-separated (a team game's side, e.g. ``Mafia`` or ``Villager,Doctor,Detective``).
 
     Raises:
-        ValueError: not a self-play game, no or an unknown ``role``, or a checkpoint of another team.
+        ValueError: not a self-play game, no role, an unknown one or every one, or a checkpoint of another team.
         FileNotFoundError: no such checkpoint.
-        CheckpointError: its adapter for ``role`` is missing, unreadable or of another shape."""
+        CheckpointError: its adapter for a role is missing, unreadable or of another shape."""
 
     if not hasattr(make_env().unwrapped, "play_randomly"):
         raise ValueError("--versus_checkpoint is for self-play games (textarena:<id> with a two-agent profile)")
     roles = [spec.role for spec in team.profile]
     if config.model.shared_lora:
         raise ValueError("--versus_checkpoint swaps one role's adapter, but with --shared_lora every role speaks through one")
-    if role not in roles:
-        raise ValueError(f"--versus_role must be one of {roles} (the role that plays from --versus_checkpoint), got {role!r}")
+    chosen = [r.strip() for r in (role or "").split(",") if r.strip()]
+    if not chosen or any(r not in roles for r in chosen) or len(set(chosen)) == len(roles):
+        raise ValueError(f"--versus_role must name one or more of {roles}, not all (the roles that play from --versus_checkpoint, "
+                         f"comma-separated), got {role!r}")
     other_config, found = checkpoint_config(checkpoint)
     differs = team_differences(asdict(other_config.model), config.model)
     if differs:
         raise ValueError(f"--versus_checkpoint {found} is of another team ({', '.join(differs)} differ)")
-    load_role_adapter(team, role, found)
-    return next(r for r in roles if r != role)
+    for name in dict.fromkeys(chosen):
+        load_role_adapter(team, name, found)
+    return next(r for r in roles if r not in chosen)
 
 
 def role_stats(transcripts: list[dict], roles: Sequence[str]) -> dict[str, dict[str, float]]:

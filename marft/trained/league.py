@@ -3,7 +3,9 @@
 Every pair of members plays ``episodes`` held-out games per pairing of roles: member ``a``'s first role against
 member ``b``'s second, and ``a``'s second against ``b``'s first (each through
 :func:`marft.trained.evaluate.evaluate` with ``versus_checkpoint``; against the random player, ``versus_random``).
-Seats rotate over the games (task ``i`` plays seat ``i % 2``), so both members play both seats. The games rate every
+Seats rotate over the games (task ``i`` plays seat ``i % 2``), so both members play both seats. In a team game
+(:mod:`marft.envs.textarena.teams`) the pairings are of sides: ``a``'s Village roles against ``b``'s Mafia, and the
+reverse; the game deals the seats. The games rate every
 member with openskill's Plackett-Luce model (a draw or an unfinished game is a tie), replayed in a fixed order, so
 the same games give the same ratings. Written to the output folder: ``league.json`` (members, the win / draw / loss
 counts of every ordered pair, each member's share of games ended by its invalid move, the ratings) and
@@ -18,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from marft.envs.profile import load_profile
+from marft.launch import build_env_factories
 from marft.runner.shared.checkpoint import find_checkpoint
 from marft.trained.evaluate import checkpoint_config, evaluate
 
@@ -33,7 +36,7 @@ class Record:
     draws: int = 0
     losses: int = 0
     invalid: int = 0
-    """Games the first member lost by its own invalid move."""
+    """Games the first member lost by its own invalid move (a team game: in which one of its players was eliminated for one)."""
 
     @property
     def games(self) -> int:
@@ -69,32 +72,51 @@ def iteration_of(checkpoint: Path) -> int:
     return int(found.group(1)) if found else -1
 
 
-def play_pair(a: Path, b: Path | None, roles: list[str], episodes: int, seed: int, out: Path) -> tuple[Record, Record]:
+def play_pair(a: Path, b: Path | None, pairings: list[list[str]], episodes: int, seed: int, out: Path) -> tuple[Record, Record]:
     """``a``'s and ``b``'s records against each other (``b``: a checkpoint, or None: the random player), ``episodes``
-    games per pairing of roles."""
+    games per pairing: ``b`` plays each pairing's roles (one seat's, or a team game's side), ``a`` the others."""
     mine, theirs = Record(), Record()
-    for index, opponent_role in enumerate(roles):  # b plays opponent_role, a the other
-        where = out / f"{index}"
+    for index, opponent_roles in enumerate(pairings):
+        where, versus = out / f"{index}", ",".join(opponent_roles)
         if b is None:
-            summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_random=opponent_role)
+            summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_random=versus)
         else:
-            summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_checkpoint=b,
-                               versus_role=opponent_role)
+            summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_checkpoint=b, versus_role=versus)
         transcripts = [json.loads(line) for line in (where / "transcripts.jsonl").read_text().splitlines() if line.strip()]
-        tally(transcripts, summary["games"]["role"], mine)  # a's role in these games
-        tally(transcripts, opponent_role, theirs)
+        own_roles = [role for role in transcripts[0]["outcome_by_role"] if role not in opponent_roles] if transcripts else []
+        tally(transcripts, own_roles or [summary["games"]["role"]], mine)  # a's roles in these games
+        tally(transcripts, opponent_roles, theirs)
     return mine, theirs
 
 
-def tally(games: list[dict], role: str, record: Record) -> None:
-    """Add ``role``'s outcomes in self-play ``games`` (transcripts) to ``record``: a draw or a game the horizon cut
-    counts as a draw; ``invalid``: the games ``role`` lost by its own invalid move."""
+def tally(games: list[dict], roles: list[str], record: Record) -> None:
+    """Add the outcomes of the side that plays ``roles`` in self-play ``games`` (transcripts) to ``record`` (its first
+    role's outcome: a team's roles share theirs): a draw or a game the horizon cut counts as a draw; ``invalid``: the
+    games in which one of ``roles`` made an invalid move that cost it the game (a team game: a player)."""
     for game in games:
-        outcome = game["outcome_by_role"][role]
+        outcome = game["outcome_by_role"][roles[0]]
         record.wins += outcome == "win"
         record.losses += outcome == "loss"
         record.draws += outcome not in ("win", "loss")
-        record.invalid += game.get("invalid_by") == role
+        record.invalid += any(role in game["invalid_roles"] for role in roles)
+
+
+def pairings_of(config) -> list[list[str]]:
+    """The roles the second member of a pair plays in each pairing: each role of a two-role self-play team (seats), or
+    each side's roles of a team game (``side_by_role`` of its env, sides in sorted order).
+
+    Raises:
+        ValueError: a team of more roles that does not play a team game."""
+    profile = load_profile(config.model.profile_path, n_agents=config.model.n_agents)
+    roles = [spec.role for spec in profile]
+    if len(roles) == 2:
+        return [[role] for role in roles]
+    _, make_env = build_env_factories(config, profile, eval_split="test")
+    env = make_env().unwrapped
+    if getattr(env, "team", None) is None:
+        raise ValueError(f"--league rates self-play teams (one agent per seat) and team games; {config.env.env_name} with roles {roles} is neither")
+    sides = env.side_by_role()
+    return [[role for role in roles if sides[role] == side] for side in sorted(set(sides.values()))]
 
 
 def rate(names: list[str], records: dict[tuple[str, str], Record]) -> dict[str, dict[str, float]]:
@@ -165,16 +187,14 @@ def league(paths: list[str], episodes: int, seed: int, output_dir: str | Path) -
     for checkpoint, other in zip(checkpoints[1:], configs[1:]):
         if other.env.env_name != env:
             raise ValueError(f"--league: {checkpoint} plays {other.env.env_name}, not {env}")
-    roles = [spec.role for spec in load_profile(config.model.profile_path, n_agents=config.model.n_agents)]
-    if len(roles) != 2:
-        raise ValueError(f"--league rates self-play teams (one agent per seat); {checkpoints[0]} has roles {roles}")
+    pairings = pairings_of(config)
     out = Path(output_dir)
     records: dict[tuple[str, str], Record] = {}
     names = [name for name, _ in members]
     for i, first in enumerate(members):
         for j, second in enumerate(members[i + 1:], start=i + 1):
             (a_name, a), (b_name, b) = (second, first) if first[1] is None else (first, second)  # the random player never loads a team
-            records[(a_name, b_name)], records[(b_name, a_name)] = play_pair(a, b, roles, episodes, seed, out / "pairs" / f"{i}-{j}")
+            records[(a_name, b_name)], records[(b_name, a_name)] = play_pair(a, b, pairings, episodes, seed, out / "pairs" / f"{i}-{j}")
     ratings = rate(names, {pair: r for pair, r in records.items() if names.index(pair[0]) < names.index(pair[1])})
     games = {name: sum(r.games for (a, _), r in records.items() if a == name) for name in names}
     invalid = {name: sum(r.invalid for (a, _), r in records.items() if a == name) for name in names}

@@ -82,7 +82,11 @@ def test_in_self_play_each_agent_sees_its_own_seat():
 def test_an_invalid_self_play_move_is_charged_to_its_agent():
     env = make(TTT, split="test", profile="game_seats")
     movers, rewards, info = self_play(env, lambda agent, view: "[0]" if agent == 1 else legal_moves(view)[-1], 0)
-    assert info["invalid_move"] and info["invalid_by"] == "Player B" and rewards == [1.0, -1.0]
+    assert info["invalid_move"] and info["invalid_by"] == "Player B" and info["invalid_roles"] == ["Player B"] and rewards == [1.0, -1.0]
+    # what an evaluation keeps of the game in its transcripts: the league charges invalid moves from these
+    from marft.runner.shared.evaluation import GAME_FIELDS
+
+    assert {"outcome_by_role", "reward_by_role", "invalid_by", "invalid_roles"} <= set(GAME_FIELDS) & set(info)
 
 
 def test_in_self_play_the_penalty_is_charged_to_the_agent_whose_invalid_move_was_forgiven():
@@ -692,7 +696,7 @@ def test_a_self_play_agent_is_evaluated_against_another_checkpoints_adapter(rand
     assert marft(["eval", "--load_path", str(tmp_path / "run"), "--episodes", "2", "--versus_checkpoint", str(tmp_path / "other"),
                   "--versus_role", "Player B", "--output_dir", str(tmp_path / "cli")]) == 0
     assert json.loads((tmp_path / "cli" / "summary.json").read_text())["games"]["role"] == "Player A"
-    with pytest.raises(ValueError, match="one of"):
+    with pytest.raises(ValueError, match="one or more of"):
         evaluate(tmp_path / "run", episodes=2, versus_checkpoint=tmp_path / "other", versus_role="Player C", progress=False)
     with pytest.raises(ValueError, match="give one"):
         evaluate(tmp_path / "run", episodes=2, versus_checkpoint=tmp_path / "other", versus_role="Player B", versus_random="Player B", progress=False)

@@ -569,7 +569,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             if self.team is not None:
                 info["side_by_role"] = self.side_by_role()
             if self.self_play:
-                info["invalid_by"] = ""
+                info["invalid_by"], info["invalid_roles"] = "", []
                 info["outcome_by_role"] = {role: "unfinished" for role in self.roles}
                 info["reward_by_role"] = {role: v - p for role, v, p in zip(self.roles, cut, paid)}
             return StepOutcome(rewards=rewards, solved=False, info=info)
@@ -588,6 +588,7 @@ class TextArenaEnv(MultiAgentTextEnv):
             info["side_by_role"] = self.side_by_role()
         if self.self_play:
             info["invalid_by"] = self.roles[invalid[0]] if invalid else ""
+            info["invalid_roles"] = [self.roles[a] for a in invalid]  # a team game: every role with a player eliminated for one
             info["outcome_by_role"] = {role: OUTCOMES[int(np.sign(r))] for role, r in zip(self.roles, rewards)}
             info["reward_by_role"] = {role: r - p for role, r, p in zip(self.roles, rewards, paid)}
         return StepOutcome(rewards=rewards, solved=True, info=info)

@@ -13,10 +13,12 @@ from marft.distributed import SINGLE, Distributed
 from marft.envs.base import PRIVATE_KEY, TASK_INDEX
 from marft.runner.shared.turns import play_team_step
 
-GAME_FIELDS = ("outcome", "seat", "invalid_move", "invalid_attempts", "outcome_by_role", "reward_by_role", "side_by_role", "game_moves")
+GAME_FIELDS = ("outcome", "seat", "invalid_move", "invalid_attempts", "outcome_by_role", "reward_by_role", "side_by_role", "game_moves",
+               "invalid_by", "invalid_roles")
 """Final-step info a game env reports (win / draw / loss, the agent's seat, an invalid move that ended the game, the
-invalid moves the game forgave, every move of the game in order, both players' and the forgiven attempts): kept in
-transcripts."""
+invalid moves the game forgave, every move of the game in order, both players' and the forgiven attempts; in
+self-play each role's outcome and reward, and the roles whose invalid move cost the game or, in a team game, a
+player): kept in transcripts."""
 
 
 def evaluate_episodes(team: AgentTeam, make_env: Callable, n_episodes: int, seed: int, n_eval_threads: int, diagnostics,
