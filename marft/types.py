@@ -7,6 +7,7 @@ types without importing the others.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,24 @@ class TurnOutput:
     values: torch.Tensor | None = None  # (B,) critic value of the prompt (None when not asked for)
     token_values: torch.Tensor | None = None  # (B, L) critic value before each reply token (token-level trainers)
     sampling_logprobs: torch.Tensor | None = None  # (B, L) an inference engine's log-probs of the sampled ids (None: the trainer's own sampled them)
+
+
+@dataclass
+class AgentTurns:
+    """One agent's turns to take at one moment of a team step: what :meth:`AgentTeam.act` takes, per row."""
+
+    agent: int
+    """The agent that speaks."""
+    histories: Sequence[str]
+    """Each row's shared observation."""
+    earlier_turns: Sequence[list[tuple[str, str]]]
+    """Each row's ``(role, reply)`` turns the agent sees from this step so far."""
+    private: Sequence[str] | None = None
+    """Each row's text only this agent sees (None: nothing private)."""
+    heads: Sequence[str] | None = None
+    """Each row's head a cut history keeps (e.g. a game's rules)."""
+    adapters: Sequence[str] | None = None
+    """Each row's adapter, where not the agent's own (an opponent's snapshot); None: the agent's own."""
 
 
 @dataclass

@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The benchmark's own flags, then every training flag of :mod:`marft.config` (its docstrings as help) with
     :data:`BENCHMARK_DEFAULTS`; ``--model`` stands for ``--model_name_or_path``."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("bench", choices=["learning", "rollout", "update", "iteration"])
+    p.add_argument("bench", choices=["learning", "rollout", "update", "iteration", "adapters"])
     p.add_argument("--model", default=None, help="marft-tiny, marft-tiny-instruct, marft-small, a model folder, 'random' (see --hidden_size), 'qwen2.5-0.5b-shape' or 'qwen2.5-1.5b-shape' "
                    "(default: marft-tiny-instruct, whose warm start knows the tags and code, with --workflow orchestrated or --env_name code; else marft-tiny)")
     p.add_argument("--hidden_size", type=int, default=512, help="random model: hidden size")
@@ -103,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "attempt (TextArena games; see marft sft --recovery_share)")
     p.add_argument("--repeats", type=int, default=3, help="rollout/update/iteration: timed repetitions after one warm-up")
     p.add_argument("--no_profile", action="store_true", help="rollout: skip the per-phase time breakdown")
+    p.add_argument("--adapters", type=int, default=4, help="adapters: the rows' adapters (the trained one and frozen snapshots of it)")
     p.add_argument("--compare_backend", default=None, help="rollout: also time this --generation_backend on the same team and envs, "
                    "the two taking turns repeat by repeat (e.g. --generation_backend decode_loop --compare_backend vllm)")
     build_parser(parser=p, defaults=BENCHMARK_DEFAULTS, exclude=("model_name_or_path",), flat=True)
@@ -511,6 +512,43 @@ def bench_rollout(args) -> dict:
     })
 
 
+def bench_adapters(args) -> dict:
+    """Rows of ``--adapters K`` adapters (the trained one and K - 1 frozen snapshots of it, as ``--opponent pool:K``
+    plays them) sampled by the first agent: in one batch, each row through its own adapter, against one batch per
+    adapter (each folded into the base weights where ``--merge_lora_in_rollout`` can), taking turns for ``--repeats``
+    repeats after one warm-up each, greedily (both ways write the same replies). Reply tokens per second of each, and
+    which one the team uses on this device."""
+    runner, _, _ = build_runner(args)
+    team = runner.team
+    team.set_top_k(1)
+    names = [team.agent_adapters[0]] + [f"snapshot_{k}" for k in range(1, args.adapters)]
+    for name in names[1:]:
+        team.bank.add_frozen_copies({team.agent_adapters[0]: name})
+    base = runner.collector.envs.bases[0]
+    histories = [base.reset(options={"task_index": k})[0] for k in range(args.n_rollout_threads)]
+    rows = [names[k % len(names)] for k in range(len(histories))]
+    seconds, tokens = {"one_batch": 0.0, "batch_per_adapter": 0.0}, {"one_batch": 0, "batch_per_adapter": 0}
+    chosen = team.mix_adapters
+    for repeat in range(args.repeats + 1):
+        for way in seconds:
+            team.mix_adapters = way == "one_batch"
+            synchronize(team.device)
+            start = time.perf_counter()
+            with team.headers.frozen():
+                out = team.act(0, histories, [[]] * len(histories), adapters=rows)
+            synchronize(team.device)
+            if repeat:  # the first round warms up
+                seconds[way] += time.perf_counter() - start
+                tokens[way] += int(out.response_mask.sum())
+    team.mix_adapters = chosen
+    return emit({
+        "bench": "adapters", **setup_fields(args, team), "adapters": len(names),
+        **{f"{way}_reply_tokens_per_s": tokens[way] / seconds[way] for way in seconds},
+        "one_batch_speedup": (tokens["one_batch"] / seconds["one_batch"]) / (tokens["batch_per_adapter"] / seconds["batch_per_adapter"]),
+        "team_uses": "one_batch" if team.mixes_adapter_rows() else "batch_per_adapter",
+    })
+
+
 def compare_backends(args, runner) -> dict:
     """Rollouts of the run's ``--generation_backend`` and of ``--compare_backend`` on the same team and envs, taking
     turns for ``--repeats`` repeats after one warm-up each: ``{"backends": {name: reply tokens per second of whole
@@ -768,7 +806,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun / accelerate launch, rank 0 reports
         sys.stdout = open(os.devnull, "w")
-    benches = {"learning": bench_learning, "rollout": bench_rollout, "update": bench_update, "iteration": bench_iteration}
+    benches = {"learning": bench_learning, "rollout": bench_rollout, "update": bench_update, "iteration": bench_iteration,
+               "adapters": bench_adapters}
     return benches[args.bench](args)
 
 

@@ -227,6 +227,15 @@ class AdapterBank:
             for layer in self.layers_of(adapter)
         )
 
+    def can_mix(self, adapters) -> bool:
+        """Whether rows of ``adapters`` can share one forward, each row through its own adapter
+        (:func:`marft.agents.unpadded.linear`): every LoRA layer of theirs is a plain (no DoRA or other variant) linear
+        layer, and the input embedding is not adapted (the real-token forward embeds every row alike)."""
+        if isinstance(self.model.get_input_embeddings(), BaseTunerLayer):
+            return False
+        return all(isinstance(layer, LoraLinear) and adapter not in layer.lora_variant
+                   for adapter in adapters for layer in self.layers_of(adapter))
+
     def merged_if(self, adapter: str, enabled: bool):
         """:meth:`merged` when ``enabled`` and :meth:`can_merge`, else a context that changes nothing."""
         return self.merged(adapter) if enabled and self.can_merge(adapter) else nullcontext()

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from marft.agents.headers import position_ids_from_mask
-from marft.agents.unpadded import StaticKVDecoder, fast_layer, few_rows_linear, unpadded_decoder_states
+from marft.agents.unpadded import RowAdapters, StaticKVDecoder, linear, unpadded_decoder_states
 
 if TYPE_CHECKING:
     from marft.agents.headers import RoleHeaderCache
@@ -176,6 +176,9 @@ class DecodeLoop:
     device (a host synchronisation per token otherwise); the steps in between give ended rows pads and masked
     log-probs, so the replies are the same, only the random numbers drawn after them differ.
 
+    Rows of several adapters (an opponent's snapshots) are sampled in one batch (``adapters``, :class:`RowAdapters`):
+    the base weights' products run once for all rows, each adapter's LoRA product on its own rows.
+
     Args: as :class:`TransformersGenerate` (without ``logprobs_from_generate`` the team scores the replies with a forward).
     """
 
@@ -190,19 +193,25 @@ class DecodeLoop:
     def _stop_check_every(self, device: torch.device) -> int:
         return self.stop_check_every or (1 if device.type == "cpu" else 8)
 
-    def _static_cache_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
+    @property
+    def mixes_adapters(self) -> bool:
+        """Whether :meth:`sample` takes rows of several adapters in one batch (the real-token forward does)."""
+        return self.headers.unpadded_forward
+
+    def _static_cache_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor,
+                            adapters: RowAdapters | None = None):
         """The prompt ``step_ids (B, S)`` behind ``cache`` run on its real tokens, then steps on a preallocated cache:
         ``(logits (B, V) after the prompt, next_logits(t, ids (B, 1), positions (B, 1)))``. None where the padded
         transformers forward must do (not asked for, unsupported model, or a row whose prompt lies wholly in the
-        cache: its last state is not among the new ones)."""
+        cache: its last state is not among the new ones). ``adapters``: each row's adapter."""
         if not self.headers.unpadded_forward or not (mask[:, mask.shape[1] - step_ids.shape[1]:] == 1).any(1).all():
             return None
         decoder = model.get_decoder()
         hidden, _, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
-                                                         tail=1, keep_keys_values=True)  # (B, 1, H): prompts end in the last column
-        static, lm_head = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens), fast_layer(model.get_output_embeddings())
-        return (few_rows_linear(lm_head, hidden[:, -1]).float(),
-                lambda t, ids, positions: few_rows_linear(lm_head, static.step(ids[:, 0], positions[:, 0])).float())
+                                                         tail=1, keep_keys_values=True, adapters=adapters)  # (B, 1, H): prompts end in the last column
+        static, lm_head = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens, adapters), model.get_output_embeddings()
+        return (linear(lm_head, hidden[:, -1], adapters).float(),
+                lambda t, ids, positions: linear(lm_head, static.step(ids[:, 0], positions[:, 0]), static.adapters).float())
 
     def _transformers_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
         """Each step a forward of the transformers model on its growing cache: as :meth:`_static_cache_steps`."""
@@ -216,13 +225,29 @@ class DecodeLoop:
         return next_logits(0, step_ids, step_positions), next_logits
 
     @torch.no_grad()
-    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
+    def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None,
+               adapters: RowAdapters | None = None) -> SampledReplies:
+        """As :meth:`GenerationBackend.sample`; ``adapters``: each row's adapter (:attr:`mixes_adapters` must hold)."""
+        agents = None if agent is None else torch.full((len(prompt_ids),), agent, dtype=torch.long)
+        return self.sample_rows(prompt_ids, prompt_mask, agents, adapters)
+
+    @torch.no_grad()
+    def sample_rows(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agents: torch.Tensor | None,
+                    adapters: RowAdapters | None = None) -> SampledReplies:
+        """:meth:`sample` of prompts of several agents in one batch: ``agents (B,)`` each row's agent (its prompt starts
+        with that agent's role header; None: no shared headers), ``adapters`` each row's adapter (None: the active one)."""
         s = self.settings
         model = self.headers.bank.model.get_base_model()  # the LoRA layers are in it; skips peft's wrapper forward per step
         B, L = prompt_ids.shape[0], s.max_new_tokens
         cache, ids, mask = None, prompt_ids, prompt_mask
-        if agent is not None:
-            cache, ids, mask = self.headers.behind_headers([(agent, prompt_ids, prompt_mask)])
+        if adapters is not None and not self.mixes_adapters:
+            raise ValueError("rows of several adapters in one batch need the real-token forward (--unpadded_forward, a Llama-family model)")
+        if adapters is not None and agents is not None:
+            header_lengths = torch.tensor([len(self.headers.header_ids[a]) for a in agents.tolist()], device=prompt_mask.device)  # (B,)
+            if not (prompt_mask.sum(1) > header_lengths).all():
+                return self._sample_by_adapter(prompt_ids, prompt_mask, agents, adapters)  # a prompt that is only its header
+        if agents is not None:
+            cache, ids, mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask, adapters=adapters)
         if cache is None:
             cache = DynamicCache(config=model.config)
         cached = cache.get_seq_length()
@@ -232,7 +257,7 @@ class DecodeLoop:
         response_ids = torch.full((B, L), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
         logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
         unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
-        steps = self._static_cache_steps(model, cache, step_ids, mask, step_positions)
+        steps = self._static_cache_steps(model, cache, step_ids, mask, step_positions, adapters)
         logits, next_logits = steps or self._transformers_steps(model, cache, step_ids, mask, step_positions)  # (B, V) after the prompt
         generated, check_every = 0, self._stop_check_every(prompt_ids.device)
         for t in range(L):
@@ -256,3 +281,23 @@ class DecodeLoop:
             next_position = next_position + 1
         response_mask = reply_mask(response_ids, s.eos_id, generated)
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
+
+    def _sample_by_adapter(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agents: torch.Tensor,
+                           adapters: RowAdapters) -> SampledReplies:
+        """:meth:`sample_rows` of each adapter's rows as a batch of its own, through that adapter; the rows back in order."""
+        bank, active = self.headers.bank, self.headers.bank.active
+        parts = []
+        try:
+            for name, rows in adapters.rows.items():
+                if len(rows):
+                    bank.route(name)
+                    parts.append((rows, self.sample_rows(prompt_ids[rows], prompt_mask[rows], agents[rows.cpu()])))
+        finally:
+            bank.route(active)
+        back = torch.argsort(torch.cat([rows for rows, _ in parts]))
+
+        def joined(field: str) -> torch.Tensor | None:
+            pieces = [getattr(part, field) for _, part in parts]
+            return None if pieces[0] is None else torch.cat(pieces)[back]
+
+        return SampledReplies(joined("response_ids"), joined("response_mask"), joined("logprobs"), self.settings)

@@ -41,9 +41,9 @@ from marft.agents.generation import GenerationBackend, SampledReplies, SamplingS
 from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
 from marft.agents.reply_scores import chunked_token_scores, score_tokens
-from marft.agents.unpadded import logits_from_last_states
+from marft.agents.unpadded import RowAdapters, logits_from_last_states
 from marft.config import ModelConfig
-from marft.types import EngineGap, ReplyScores, TurnOutput
+from marft.types import AgentTurns, EngineGap, ReplyScores, TurnOutput
 
 SHARED_ADAPTER = "shared"
 REFERENCE_PREFIX = "ref_"
@@ -111,6 +111,11 @@ class AgentTeam(nn.Module):
         self.reference_adapters: dict[str, str] = {}
         """Per policy adapter, its frozen copy kept as the KL reference (``--kl_reference initial``,
         :meth:`add_reference_adapters`); empty: the reference is the base model."""
+        self.mix_adapters: bool = True
+        """Whether :meth:`act` samples rows of several adapters (an opponent pool's snapshots) in one batch, each row
+        through its own adapter, where the backend and the adapters can (:meth:`mixes_adapter_rows`), rather than one
+        batch per adapter folded into the base weights: a decode step then runs the base weights' products once for
+        every row, not once per adapter (``python scripts/benchmark.py adapters`` compares the two)."""
         self.set_active(None)
 
     # ------------------------------------------------------------------ adapters
@@ -291,8 +296,9 @@ class AgentTeam(nn.Module):
     ) -> TurnOutput:
         """Agent ``agent`` replies to every history in the batch: prompts encoded, replies sampled and scored
         (no critic values: :func:`marft.runner.shared.turns.play_team_step` adds them). ``adapters``: per row, the
-        adapter that samples it (an opponent's snapshot, ``--opponent pool:K``) instead of the agent's own; the rows of
-        each adapter are sampled as one batch, and the replies come back in the rows' order."""
+        adapter that samples it (an opponent's snapshot, ``--opponent pool:K``) instead of the agent's own; the rows
+        are sampled in one batch where the backend mixes adapters (:attr:`DecodeLoop.mixes_adapters`), else as one
+        batch per adapter, and the replies come back in the rows' order."""
         prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private, heads)
         names = [self.agent_adapters[agent]] * len(prompt_ids) if adapters is None else list(adapters)
         if len(names) != len(prompt_ids):
@@ -300,6 +306,8 @@ class AgentTeam(nn.Module):
         groups = {name: [row for row, n in enumerate(names) if n == name] for name in dict.fromkeys(names)}
         if len(groups) == 1:
             response_ids, response_mask, logprobs, engine = self._replies(names[0], prompt_ids, prompt_mask, agent)
+        elif self.mixes_adapter_rows(groups):
+            response_ids, response_mask, logprobs, engine = self._mixed_replies(names, prompt_ids, prompt_mask, agent)
         else:
             parts = [self._replies(name, prompt_ids[rows], prompt_mask[rows], agent) for name, rows in groups.items()]
             back = torch.argsort(torch.tensor([row for rows in groups.values() for row in rows], device=prompt_ids.device))
@@ -311,6 +319,65 @@ class AgentTeam(nn.Module):
             response_ids, response_mask, logprobs, engine = (joined(k) for k in range(4))
         return TurnOutput(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, self.decode(response_ids, response_mask),
                           sampling_logprobs=engine)
+
+    @torch.no_grad()
+    def act_together(self, turns: Sequence[AgentTurns]) -> list[TurnOutput]:
+        """Several agents' :meth:`act` (each :class:`AgentTurns` one agent's rows) sampled as ONE batch, each row
+        behind its agent's role header and through its adapter, where :meth:`mixes_adapter_rows`; else one
+        :meth:`act` per agent. Returns one :class:`TurnOutput` per item, as :meth:`act` gives it."""
+        names = [list(t.adapters) if t.adapters is not None else [self.agent_adapters[t.agent]] * len(t.histories) for t in turns]
+        order = list(dict.fromkeys(n for rows in names for n in rows))
+        if len(turns) == 1 or not self.mixes_adapter_rows(order):
+            return [self.act(t.agent, t.histories, t.earlier_turns, t.private, t.heads, t.adapters) for t in turns]
+        encoded = [self.encode_prompts(t.agent, t.histories, t.earlier_turns, t.private, t.heads) for t in turns]
+        for (ids, _), rows in zip(encoded, names):
+            if len(rows) != len(ids):
+                raise ValueError(f"{len(rows)} adapters for {len(ids)} rows")
+        width = max(ids.shape[1] for ids, _ in encoded)
+        prompt_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in encoded])  # (ΣB, P)
+        prompt_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in encoded])
+        agents = torch.cat([torch.full((len(ids),), t.agent, dtype=torch.long) for t, (ids, _) in zip(turns, encoded)])  # (ΣB,)
+        if len(order) == 1:  # one adapter (--shared_lora): folded into the base weights, as act samples
+            self.bank.route(order[0])
+            with self.bank.merged_if(order[0], self.config.merge_lora_in_rollout):
+                replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents)
+        else:
+            code = torch.tensor([order.index(n) for rows in names for n in rows], device=self.device)
+            replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents, RowAdapters(order, code))
+        outs, start = [], 0
+        for t, (ids, mask), rows in zip(turns, encoded, names):
+            picked = slice(start, start + len(ids))
+            start += len(ids)
+            response_ids, response_mask = replies.response_ids[picked], replies.response_mask[picked]
+            logprobs = replies.logprobs[picked] if replies.logprobs is not None else self._scored(t.agent, rows, ids, mask, response_ids, response_mask)
+            outs.append(TurnOutput(ids, mask, response_ids, response_mask, logprobs, self.decode(response_ids, response_mask)))
+        return outs
+
+    def _scored(self, agent: int, names: list[str], prompt_ids, prompt_mask, response_ids, response_mask) -> torch.Tensor:
+        """Log-probs of agent ``agent``'s replies, each row's under its adapter ``names[row]``. (B, L)"""
+        logprobs = torch.zeros(response_ids.shape, dtype=torch.float32, device=self.device)  # (B, L)
+        for name in dict.fromkeys(names):
+            rows = [r for r, n in enumerate(names) if n == name]
+            logprobs[rows] = self.response_logprobs(name, prompt_ids[rows], prompt_mask[rows], response_ids[rows], response_mask[rows],
+                                                    agents=torch.full((len(rows),), agent)).logprobs
+        return logprobs
+
+    def mixes_adapter_rows(self, adapters=None) -> bool:
+        """Whether :meth:`act` samples rows of several ``adapters`` (default: every policy adapter) in one batch: the
+        backend can (:attr:`DecodeLoop.mixes_adapters`), the adapters can (:meth:`AdapterBank.can_mix`), and
+        :attr:`mix_adapters` says so."""
+        names = list(adapters) if adapters is not None else self.policy_adapters
+        return self.mix_adapters and getattr(self.backend, "mixes_adapters", False) and self.bank.can_mix(names)
+
+    def _mixed_replies(self, names: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int):
+        """:meth:`_replies` of rows of several adapters (``names``: each row's) sampled as one batch."""
+        order = list(dict.fromkeys(names))
+        code = torch.tensor([order.index(n) for n in names], device=self.device)
+        replies = self.backend.sample(prompt_ids, prompt_mask, agent, adapters=RowAdapters(order, code))
+        logprobs = replies.logprobs
+        if logprobs is None:  # scored per adapter
+            logprobs = self._scored(agent, names, prompt_ids, prompt_mask, replies.response_ids, replies.response_mask)
+        return replies.response_ids, replies.response_mask, logprobs, None
 
     def _replies(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int):
         """``(response_ids, response_mask, logprobs, engine_logprobs or None)`` of ``adapter``'s replies to agent

@@ -520,7 +520,8 @@ def test_half_precision_adapters_are_not_merged(random_model_dir):
     assert team.sample(team.agent_adapters[0], ids, mask, 0).response_ids.shape == (3, team.config.max_new_tokens)
 
 
-def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_batch(random_model_dir):
+@pytest.mark.parametrize("one_batch", [True, False], ids=["one_batch", "batch_per_adapter"])
+def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_batch(random_model_dir, one_batch):
     """``act(..., adapters=...)`` (an opponent pool's snapshot per game): each row is sampled by its adapter, the rows of
     one adapter as one batch, and the replies come back in the rows' order: greedy replies and log-probs equal those of
     each adapter's rows played on their own."""
@@ -531,9 +532,19 @@ def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_
             if ".snapshot." in name and "lora_B" in name:
                 p.normal_(0.0, 0.5)  # another policy
     team.set_top_k(1)
+    assert team.mixes_adapter_rows()  # the default, where the backend and the adapters can
+    team.mix_adapters = one_batch
     histories = HISTORIES * 2
     adapters = ["snapshot", team.agent_adapters[0], team.agent_adapters[0], "snapshot", team.agent_adapters[0], "snapshot"]
+    calls, sample = [], team.backend.sample
+    team.backend.sample = lambda *args, **kwargs: calls.append(kwargs.get("adapters")) or sample(*args, **kwargs)
     mixed = team.act(0, histories, [[]] * 6, adapters=adapters)
+    if one_batch:  # each row through its adapter
+        assert len(calls) == 1 and calls[0].names == ["snapshot", team.agent_adapters[0]]
+    else:
+        assert calls == [None, None]
+    assert team.bank.active == team.agent_adapters[0]  # the header runs routed each adapter in turn, then back
+    team.backend.sample = sample
     for name in set(adapters):
         rows = [r for r, a in enumerate(adapters) if a == name]
         alone = team.act(0, [histories[r] for r in rows], [[]] * len(rows), adapters=[name] * len(rows))
@@ -544,3 +555,68 @@ def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_
     assert any(own.texts[r] != mixed.texts[r] for r, a in enumerate(adapters) if a == "snapshot"), "the snapshot must play otherwise"
     with pytest.raises(ValueError, match="2 adapters for 6 rows"):
         team.act(0, histories, [[]] * 6, adapters=["snapshot"] * 2)
+
+
+@pytest.mark.parametrize("backend", ["decode_loop_by_adapter", "generate"])
+def test_rows_of_several_adapters_without_one_batch_are_sampled_per_adapter(random_model_dir, backend):
+    """Where rows of several adapters cannot share a batch (transformers' generate; in decode_loop a prompt that is
+    only its role header) each adapter's rows are a batch of their own, with the same greedy replies."""
+    team = make_team(random_model_dir, generation_backend="generate" if backend == "generate" else "decode_loop")
+    team.bank.add_frozen_copies({team.agent_adapters[0]: "snapshot"})
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if ".snapshot." in name and "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    team.set_top_k(1)
+    adapters = ["snapshot", team.agent_adapters[0], "snapshot"]
+    if backend == "decode_loop_by_adapter":
+        from marft.agents.unpadded import RowAdapters
+
+        ids, mask = team.encode_prompts(0, HISTORIES, [[]] * 3)
+        rows = RowAdapters(["snapshot", team.agent_adapters[0]], torch.tensor([0, 1, 0]))
+        header = team.headers.header_ids[0]
+        ids, mask = ids.clone(), mask.clone()
+        ids[1], mask[1] = team.pad_id, 0
+        ids[1, -len(header):], mask[1, -len(header):] = torch.tensor(header), 1  # row 1's prompt: its header alone
+        by_adapter = team.backend.sample(ids, mask, 0, adapters=rows)
+        for name, picked in rows.rows.items():
+            team.bank.route(name)
+            alone = team.backend.sample(ids[picked], mask[picked], 0)
+            assert torch.equal(by_adapter.response_ids[picked], alone.response_ids)
+        return
+    mixed = team.act(0, HISTORIES, [[]] * 3, adapters=adapters)
+    for name in set(adapters):
+        rows = [r for r, a in enumerate(adapters) if a == name]
+        alone = team.act(0, [HISTORIES[r] for r in rows], [[]] * len(rows), adapters=[name] * len(rows))
+        assert torch.equal(mixed.response_ids[rows], alone.response_ids)
+
+
+@pytest.mark.parametrize("profile", ["reasoner_actor", "mixed", "shared_lora"])
+def test_agents_of_one_moment_sample_in_one_batch_as_each_agent_alone(random_model_dir, profile):
+    """``act_together``: two agents' rows (each behind its own role header, or none, through its own adapter) sampled
+    as one batch: the same greedy replies and log-probs (float32 rounding) as each agent's ``act``, in one call."""
+    from marft.types import AgentTurns
+
+    config = ModelConfig(model_name_or_path=random_model_dir, max_new_tokens=6, context_window=96, shared_lora=profile == "shared_lora")
+    model, tokenizer = load_base_model(config)
+    team = AgentTeam(model, tokenizer, MIXED_PROFILE if profile == "mixed" else load_profile("reasoner_actor", n_agents=2), config)
+    with torch.no_grad():
+        for name, p in team.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)  # each agent its own policy
+    team.set_top_k(1)
+    turns = [AgentTurns(0, HISTORIES[:2], [[], []]), AgentTurns(1, HISTORIES, [[("Reasoner", "hi")], [], [("Reasoner", "a longer reply")]])]
+    calls, sample_rows = [], team.backend.sample_rows
+    team.backend.sample_rows = lambda *args, **kwargs: calls.append(args) or sample_rows(*args, **kwargs)
+    together = team.act_together(turns)
+    team.backend.sample_rows = sample_rows
+    assert len(calls) == 1 and calls[0][2].tolist() == [0, 0, 1, 1, 1]  # one batch, each row's agent
+    for turn, out in zip(turns, together):
+        alone = team.act(turn.agent, turn.histories, turn.earlier_turns)
+        assert out.texts == alone.texts and torch.equal(out.response_ids, alone.response_ids)
+        assert torch.equal(out.prompt_ids, alone.prompt_ids) and torch.equal(out.prompt_mask, alone.prompt_mask)
+        torch.testing.assert_close(out.logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    if profile != "shared_lora":  # the agents reply otherwise: the check is not vacuous
+        assert together[0].texts != team.act(1, HISTORIES[:2], [[], []]).texts
+    team.mix_adapters = False  # one batch per agent: act for each
+    assert [o.texts for o in team.act_together(turns)] == [o.texts for o in together]

@@ -213,3 +213,54 @@ def test_checking_for_the_end_every_few_steps_samples_the_same_replies(random_mo
     assert torch.equal(each.response_ids * each.response_mask, fifth.response_ids * fifth.response_mask)
     assert torch.equal(each.response_mask, fifth.response_mask)
     assert torch.equal(each.logprobs, fifth.logprobs)
+
+
+@pytest.mark.parametrize("tail", [None, 2], ids=["all_tokens", "last_2_columns"])
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_rows_of_several_adapters_in_one_forward_equal_each_adapters_own_forward(arch, tail):
+    """:class:`RowAdapters`: each row of one real-token forward runs through its own LoRA adapter (all-linear and the
+    output layer): its hidden states, keys and values equal those of a forward of that adapter alone; a decode step on
+    the static cache and the output layer too (float32 rounding)."""
+    from peft import LoraConfig, get_peft_model
+
+    from marft.agents.unpadded import RowAdapters, StaticKVDecoder, linear
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(CONFIGS[arch], attn_implementation="sdpa").float()
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])
+    model = get_peft_model(base, lora, adapter_name="one")
+    model.add_adapter("two", lora)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)  # both adapters away from zero, and apart
+    model.eval()
+    decoder, head = model.get_base_model().get_decoder(), model.get_base_model().get_output_embeddings()
+    B, S = 4, 10
+    ids = torch.randint(0, 97, (B, S))
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[3, :6] = 0
+    positions = position_ids_from_mask(mask)
+    rows = RowAdapters(["one", "two"], torch.tensor([1, 0, 1, 0]))
+    with torch.no_grad():
+        mixed, _, kept = unpadded_decoder_states(decoder, None, ids, mask, positions, tail=tail, keep_keys_values=True, adapters=rows)
+        step = StaticKVDecoder(decoder, kept, mask, 2, rows)
+        stepped = linear(head, step.step(ids[:, 0], positions[:, -1] + 1), rows)  # (B, V)
+        for name, picked in rows.rows.items():
+            model.set_adapter(name)
+            alone, _, alone_kept = unpadded_decoder_states(decoder, None, ids[picked], mask[picked], positions[picked], tail=tail,
+                                                           keep_keys_values=True)
+            if tail is None:  # real tokens in row-major order: this adapter's rows' tokens
+                token_rows = mask.bool().nonzero()[:, 0]
+                torch.testing.assert_close(mixed[torch.isin(token_rows, picked)], alone, atol=1e-5, rtol=0)
+            else:
+                torch.testing.assert_close(mixed[picked], alone, atol=1e-5, rtol=0)
+            for (k, v), (k_alone, v_alone) in zip(kept, alone_kept):
+                torch.testing.assert_close(k[picked], k_alone, atol=1e-5, rtol=0)
+                torch.testing.assert_close(v[picked], v_alone, atol=1e-5, rtol=0)
+            alone_step = StaticKVDecoder(decoder, alone_kept, mask[picked], 2).step(ids[picked, 0], positions[picked, -1] + 1)
+            torch.testing.assert_close(stepped[picked], head(alone_step), atol=1e-5, rtol=0)
+        model.set_adapter("one")  # the rows of "two" under "one": another result, so the check above is not vacuous
+        other = StaticKVDecoder(decoder, unpadded_decoder_states(decoder, None, ids, mask, positions, tail=1, keep_keys_values=True)[2], mask, 2)
+        assert not torch.allclose(head(other.step(ids[:, 0], positions[:, -1] + 1))[rows.rows["two"]], stepped[rows.rows["two"]], atol=1e-3)

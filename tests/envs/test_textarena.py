@@ -878,6 +878,9 @@ def test_a_prompt_cut_to_the_context_window_keeps_the_rules_and_the_latest_board
             asked.append((agent, list(histories), list(private), list(heads)))
             return SimpleNamespace(texts=[env.episode.legal[0]] * len(histories))
 
+        def act_together(self, turns):
+            return [self.act(t.agent, t.histories, t.earlier_turns, t.private, t.heads, t.adapters) for t in turns]
+
     play_team_step(Team(), [env], [env.episode.history], [tuple(env.private_observations())])
     assert asked == [(mover, histories, private, [head])]
     demos = env.demonstrations(12)

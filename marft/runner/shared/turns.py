@@ -1,8 +1,10 @@
 """One team step on a batch of environments, turn by turn (the runner's rollout and evaluation share it).
 
 At each moment every environment says who speaks now (``env.speakers()``: one agent, or a graph layer);
-the environments are grouped by that agent and each agent generates ONE batch for all the environments
-where it speaks, seeing what its environment's step shows it (``env.visible_turns(agent)``). The replies
+the environments are grouped by that agent and each agent speaks in ONE batch for all the environments
+where it speaks, seeing what its environment's step shows it (``env.visible_turns(agent)``); the agents of one
+moment (two seats of a self-play game, a team game's roles) share one generation batch where the team can
+(:meth:`AgentTeam.act_together`). The replies
 are recorded (``env.take_turn``) once the moment's batches are all sampled, so agents of one graph layer
 speak in parallel on the same history. The step ends when no environment has a speaker left.
 """
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from marft.agents.team import AgentTeam
-from marft.types import TurnOutput
+from marft.types import AgentTurns, TurnOutput
 
 
 @dataclass
@@ -61,13 +63,15 @@ def play_team_step(
                 due.setdefault(agent, []).append(row)
         if not due:
             break
-        moment = []
-        for agent in sorted(due):  # every agent's prompts are built before anyone's reply is recorded
-            rows = due[agent]
-            out = team.act(agent, [histories[r] for r in rows], [envs[r].visible_turns(agent) for r in rows], [private[r][agent] for r in rows],
-                           [envs[r].kept_heads()[agent] for r in rows],
-                           adapters=[adapters[agent][r] for r in rows] if adapters and agent in adapters else None)
-            moment.append(PlayedBatch(agent, rows, out, moment=n_moments))
+        agents = sorted(due)
+        turns = [  # every agent's prompts are built before anyone's reply is recorded
+            AgentTurns(agent, [histories[r] for r in due[agent]], [envs[r].visible_turns(agent) for r in due[agent]],
+                       [private[r][agent] for r in due[agent]], [envs[r].kept_heads()[agent] for r in due[agent]],
+                       adapters=[adapters[agent][r] for r in due[agent]] if adapters and agent in adapters else None)
+            for agent in agents
+        ]
+        outs = team.act_together(turns)  # the moment's agents in one batch where the team can, else one batch each
+        moment = [PlayedBatch(agent, due[agent], out, moment=n_moments) for agent, out in zip(agents, outs)]
         for batch in moment:
             for row, text in zip(batch.rows, batch.out.texts):
                 envs[row].take_turn(batch.agent, text)
