@@ -70,6 +70,13 @@ def test_rollout_and_update_benches(random_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_adapters_bench_times_one_batch_against_a_batch_per_adapter(random_model_dir):
+    result = run_bench("adapters", "--model", random_model_dir, "--adapters", "3", "--repeats", "1", *TINY)
+    assert result["bench"] == "adapters" and result["adapters"] == 3 and result["team_uses"] == "one_batch"
+    assert result["one_batch_reply_tokens_per_s"] > 0 and result["batch_per_adapter_reply_tokens_per_s"] > 0
+
+
 def test_iteration_bench_reports_time_and_memory(random_model_dir):
     result = run_bench("iteration", "--model", random_model_dir, "--n_agents", "4", "--repeats", "1", *TINY)
     assert result["bench"] == "iteration" and result["n_agents"] == 4
