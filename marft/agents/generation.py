@@ -176,8 +176,10 @@ class DecodeLoop:
     device (a host synchronisation per token otherwise); the steps in between give ended rows pads and masked
     log-probs, so the replies are the same, only the random numbers drawn after them differ.
 
-    Rows of several adapters (an opponent's snapshots) are sampled in one batch (``adapters``, :class:`RowAdapters`):
-    the base weights' products run once for all rows, each adapter's LoRA product on its own rows.
+    Rows of several adapters (both seats of a self-play game, an opponent's snapshots) are sampled in one batch
+    (``adapters``, :class:`RowAdapters`): each adapter's prompts run as a batch of their own, through that adapter, and
+    then every row decodes on one static cache, each step running the base weights' products once for all rows and
+    each row's LoRA product with its own adapter's factors.
 
     Args: as :class:`TransformersGenerate` (without ``logprobs_from_generate`` the team scores the replies with a forward).
     """
@@ -195,23 +197,57 @@ class DecodeLoop:
 
     @property
     def mixes_adapters(self) -> bool:
-        """Whether :meth:`sample` takes rows of several adapters in one batch (the real-token forward does)."""
+        """Whether :meth:`sample_rows` takes rows of several adapters in one batch (the real-token forward does)."""
         return self.headers.unpadded_forward
 
-    def _static_cache_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor,
-                            adapters: RowAdapters | None = None):
-        """The prompt ``step_ids (B, S)`` behind ``cache`` run on its real tokens, then steps on a preallocated cache:
-        ``(logits (B, V) after the prompt, next_logits(t, ids (B, 1), positions (B, 1)))``. None where the padded
-        transformers forward must do (not asked for, unsupported model, or a row whose prompt lies wholly in the
-        cache: its last state is not among the new ones). ``adapters``: each row's adapter."""
+    def _prefill(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
+        """The prompt ``step_ids (B, S)`` behind ``cache`` on its real tokens: ``(logits (B, V) after it, per layer
+        (keys, values) (B, kv, W, d))``, or None where the padded transformers forward must do (not asked for,
+        unsupported model, or a row whose prompt lies wholly in the cache: its last state is not among the new ones)."""
         if not self.headers.unpadded_forward or not (mask[:, mask.shape[1] - step_ids.shape[1]:] == 1).any(1).all():
             return None
-        decoder = model.get_decoder()
-        hidden, _, keys_values = unpadded_decoder_states(decoder, cache if cache.get_seq_length() else None, step_ids, mask, step_positions,
-                                                         tail=1, keep_keys_values=True, adapters=adapters)  # (B, 1, H): prompts end in the last column
-        static, lm_head = StaticKVDecoder(decoder, keys_values, mask, self.settings.max_new_tokens, adapters), model.get_output_embeddings()
-        return (linear(lm_head, hidden[:, -1], adapters).float(),
-                lambda t, ids, positions: linear(lm_head, static.step(ids[:, 0], positions[:, 0]), static.adapters).float())
+        hidden, _, keys_values = unpadded_decoder_states(model.get_decoder(), cache if cache.get_seq_length() else None, step_ids, mask,
+                                                         step_positions, tail=1, keep_keys_values=True)  # (B, 1, H): prompts end in the last column
+        return linear(model.get_output_embeddings(), hidden[:, -1]).float(), keys_values
+
+    def _static_cache_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
+        """:meth:`_prefill`, then steps on a preallocated cache: ``(logits (B, V) after the prompt, next_logits(t, ids
+        (B, 1), positions (B, 1)))``, or None as :meth:`_prefill`."""
+        prefilled = self._prefill(model, cache, step_ids, mask, step_positions)
+        if prefilled is None:
+            return None
+        static, lm_head = StaticKVDecoder(model.get_decoder(), prefilled[1], mask, self.settings.max_new_tokens), model.get_output_embeddings()
+        return prefilled[0], lambda t, ids, positions: linear(lm_head, static.step(ids[:, 0], positions[:, 0])).float()
+
+    def _mixed_steps(self, model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agents: torch.Tensor | None,
+                     adapters: RowAdapters, merge: bool):
+        """As :meth:`_static_cache_steps` for rows of several ``adapters``: each adapter's prompts (behind their role
+        headers) run as a batch of their own through that adapter (folded into the base weights with ``merge``, as
+        one agent's batch runs), their keys and values then join one static cache (left-padded to the longest), and
+        every step runs all rows, each through its adapter (:class:`RowAdapters`). Rows stay in their order."""
+        bank, B, parts, active = self.headers.bank, len(prompt_ids), [], self.headers.bank.active
+        try:
+            for name, rows in adapters.rows.items():
+                if len(rows):
+                    bank.route(name)
+                    with bank.merged_if(name, merge):
+                        cache, ids, mask = (self.headers.rows_behind_headers(agents[rows.cpu()], prompt_ids[rows], prompt_mask[rows])
+                                            if agents is not None else (None, prompt_ids[rows], prompt_mask[rows]))
+                        cache = cache if cache is not None else DynamicCache(config=model.config)
+                        positions, cached = position_ids_from_mask(mask), cache.get_seq_length()
+                        parts.append((rows, mask, *self._prefill(model, cache, ids[:, cached:], mask, positions[:, cached:])))
+        finally:
+            bank.route(active)
+        width = max(mask.shape[1] for _, mask, _, _ in parts)
+        logits = parts[0][2].new_empty(B, parts[0][2].shape[1])  # (B, V)
+        joined_mask = prompt_mask.new_zeros(B, width)  # (B, W)
+        joined = [(k.new_zeros(B, k.shape[1], width, k.shape[3]), v.new_zeros(B, v.shape[1], width, v.shape[3])) for k, v in parts[0][3]]
+        for rows, mask, part_logits, keys_values in parts:
+            logits[rows], joined_mask[rows, width - mask.shape[1]:] = part_logits, mask
+            for (keys, values), (k, v) in zip(joined, keys_values):
+                keys[rows, :, width - k.shape[2]:], values[rows, :, width - v.shape[2]:] = k, v
+        static, lm_head = StaticKVDecoder(model.get_decoder(), joined, joined_mask, self.settings.max_new_tokens, adapters), model.get_output_embeddings()
+        return logits, lambda t, ids, positions: linear(lm_head, static.step(ids[:, 0], positions[:, 0]), adapters).float()
 
     def _transformers_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
         """Each step a forward of the transformers model on its growing cache: as :meth:`_static_cache_steps`."""
@@ -226,16 +262,17 @@ class DecodeLoop:
 
     @torch.no_grad()
     def sample(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None,
-               adapters: RowAdapters | None = None) -> SampledReplies:
-        """As :meth:`GenerationBackend.sample`; ``adapters``: each row's adapter (:attr:`mixes_adapters` must hold)."""
+               adapters: RowAdapters | None = None, merge: bool = False) -> SampledReplies:
+        """As :meth:`GenerationBackend.sample`; ``adapters``, ``merge``: as :meth:`sample_rows`."""
         agents = None if agent is None else torch.full((len(prompt_ids),), agent, dtype=torch.long)
-        return self.sample_rows(prompt_ids, prompt_mask, agents, adapters)
+        return self.sample_rows(prompt_ids, prompt_mask, agents, adapters, merge)
 
     @torch.no_grad()
     def sample_rows(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agents: torch.Tensor | None,
-                    adapters: RowAdapters | None = None) -> SampledReplies:
+                    adapters: RowAdapters | None = None, merge: bool = False) -> SampledReplies:
         """:meth:`sample` of prompts of several agents in one batch: ``agents (B,)`` each row's agent (its prompt starts
-        with that agent's role header; None: no shared headers), ``adapters`` each row's adapter (None: the active one)."""
+        with that agent's role header; None: no shared headers), ``adapters`` each row's adapter (None: the active one;
+        ``merge``: fold each into the base weights for its prompts' forward, :meth:`_mixed_steps`)."""
         s = self.settings
         model = self.headers.bank.model.get_base_model()  # the LoRA layers are in it; skips peft's wrapper forward per step
         B, L = prompt_ids.shape[0], s.max_new_tokens
@@ -246,8 +283,8 @@ class DecodeLoop:
             header_lengths = torch.tensor([len(self.headers.header_ids[a]) for a in agents.tolist()], device=prompt_mask.device)  # (B,)
             if not (prompt_mask.sum(1) > header_lengths).all():
                 return self._sample_by_adapter(prompt_ids, prompt_mask, agents, adapters)  # a prompt that is only its header
-        if agents is not None:
-            cache, ids, mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask, adapters=adapters)
+        if agents is not None and adapters is None:
+            cache, ids, mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)
         if cache is None:
             cache = DynamicCache(config=model.config)
         cached = cache.get_seq_length()
@@ -257,7 +294,10 @@ class DecodeLoop:
         response_ids = torch.full((B, L), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
         logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
         unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
-        steps = self._static_cache_steps(model, cache, step_ids, mask, step_positions, adapters)
+        if adapters is not None:
+            steps = self._mixed_steps(model, prompt_ids, prompt_mask, agents, adapters, merge)
+        else:
+            steps = self._static_cache_steps(model, cache, step_ids, mask, step_positions)
         logits, next_logits = steps or self._transformers_steps(model, cache, step_ids, mask, step_positions)  # (B, V) after the prompt
         generated, check_every = 0, self._stop_check_every(prompt_ids.device)
         for t in range(L):

@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from marft.agents.adapters import AdapterBank
 from marft.agents.prompts import left_pad
-from marft.agents.unpadded import RowAdapters, supports_unpadded, unpadded_decoder_states
+from marft.agents.unpadded import supports_unpadded, unpadded_decoder_states
 
 
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -161,24 +161,6 @@ class RoleHeaderCache:
         sources, copies, header_ids, header_mask = self.chunk_memo[memo_key]
         return self._detached_copy(sources, copies), header_ids, header_mask
 
-    def run_each(self, agents: Sequence[int], adapters: Sequence[str]):
-        """:meth:`run` of ``agents`` through each of ``adapters`` in turn (the active adapter is restored after): the
-        headers of adapter ``j`` are rows ``j·n .. j·n + n - 1`` of the result (n = len(agents)). Returns ``(cache,
-        header_ids (len(adapters)·n, Hmax), header_mask)``, or ``(None, ...)`` when no listed agent has a header."""
-        active, runs = self.bank.active, []
-        try:
-            for adapter in adapters:
-                self.bank.route(adapter)
-                runs.append(self.run(agents))
-        finally:
-            self.bank.route(active)
-        header_ids, header_mask = torch.cat([ids for _, ids, _ in runs]), torch.cat([mask for _, _, mask in runs])
-        if runs[0][0] is None:
-            return None, header_ids, header_mask
-        layers = zip(*(cache.layers for cache, _, _ in runs))
-        return DynamicCache([(torch.cat([layer.keys for layer in per_run]), torch.cat([layer.values for layer in per_run]))
-                             for per_run in layers]), header_ids, header_mask
-
     def forward_headers(self, header_ids: torch.Tensor, header_mask: torch.Tensor):
         """One forward of left-padded headers ``(n, Hmax)`` through the active adapter → their cache. With
         :attr:`unpadded_forward` it runs on the headers' real tokens (keys and values are all it keeps: the last
@@ -223,34 +205,30 @@ class RoleHeaderCache:
         write it twice), so the rows would silently lose their header."""
         return not any(layer.training for layer in self.bank.checkpointed_layers)
 
-    def behind_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], by_layer: bool = False,
-                       adapters: RowAdapters | None = None):
+    def behind_headers(self, batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], by_layer: bool = False):
         """Prompt batches of one or more agents, re-packed behind their agent's shared role header.
 
         Args: ``batches``: ``(agent, prompt_ids (B_n, P_n), prompt_mask (B_n, P_n))`` per agent, as the
-        prompt encoder writes them (``[pads][header][rest]``); ``adapters``: each row's adapter (its header runs
-        through it), None: the active one.
+        prompt encoder writes them (``[pads][header][rest]``).
         Returns :meth:`rows_behind_headers` of their rows in the order given.
         """
         width = max(ids.shape[1] for _, ids, _ in batches)
         ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for _, ids, _ in batches])  # (ΣB, P)
         mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in batches])  # (ΣB, P)
         agents = torch.cat([torch.full((len(ids),), agent, dtype=torch.long) for agent, ids, _ in batches])  # (ΣB,)
-        return self.rows_behind_headers(agents, ids, mask, by_layer, adapters)
+        return self.rows_behind_headers(agents, ids, mask, by_layer)
 
     @property
     def reads_by_layer(self) -> bool:
         """Whether :meth:`decoder_states` runs on the real tokens now, reading a :class:`HeaderRows` layer by layer."""
         return self.unpadded_forward and self.sharable
 
-    def rows_behind_headers(self, agents: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, by_layer: bool = False,
-                            adapters: RowAdapters | None = None):
+    def rows_behind_headers(self, agents: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, by_layer: bool = False):
         """Prompts of several agents, each row re-packed behind its agent's shared role header, in their own order.
 
         Args: ``agents (B,)``: each row's agent; ``prompt_ids (B, P)``, ``prompt_mask (B, P)`` as the prompt
         encoder writes them (``[pads][header][rest]``); ``by_layer``: return the headers as :class:`HeaderRows`
-        (for :meth:`decoder_states` while :attr:`reads_by_layer`), not as a transformers cache of every row;
-        ``adapters``: each row's adapter, whose run of its header it gets (:meth:`run_each`); None: the active one.
+        (for :meth:`decoder_states` while :attr:`reads_by_layer`), not as a transformers cache of every row.
         Returns ``(cache, ids (B, Hmax + S), mask (B, Hmax + S))``, each row ``[header][pads][rest]``: the cache
         holds the Hmax header columns (:meth:`run`: one forward for the distinct agents, whatever the number
         of rows; its keys/values are indexed per row, so under autograd each header's backward receives the
@@ -274,11 +252,7 @@ class RoleHeaderCache:
             rest_ids[rows, width - ids.shape[1]:] = ids
             rest_mask[rows, width - mask.shape[1]:] = mask
         header_of_row = header_of_row.to(device)
-        if adapters is None:
-            cache, header_ids, header_mask = self.run(distinct)
-        else:
-            cache, header_ids, header_mask = self.run_each(distinct, adapters.names)
-            header_of_row = adapters.code.to(device) * len(distinct) + header_of_row  # the row's agent's header, its adapter's run
+        cache, header_ids, header_mask = self.run(distinct)
         ids = torch.cat([header_ids[header_of_row], rest_ids], dim=1)
         mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
         rows = HeaderRows(cache, header_of_row)

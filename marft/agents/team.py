@@ -343,7 +343,7 @@ class AgentTeam(nn.Module):
                 replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents)
         else:
             code = torch.tensor([order.index(n) for rows in names for n in rows], device=self.device)
-            replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents, RowAdapters(order, code))
+            replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents, RowAdapters(order, code), merge=self.config.merge_lora_in_rollout)
         outs, start = [], 0
         for t, (ids, mask), rows in zip(turns, encoded, names):
             picked = slice(start, start + len(ids))
@@ -373,7 +373,7 @@ class AgentTeam(nn.Module):
         """:meth:`_replies` of rows of several adapters (``names``: each row's) sampled as one batch."""
         order = list(dict.fromkeys(names))
         code = torch.tensor([order.index(n) for n in names], device=self.device)
-        replies = self.backend.sample(prompt_ids, prompt_mask, agent, adapters=RowAdapters(order, code))
+        replies = self.backend.sample(prompt_ids, prompt_mask, agent, adapters=RowAdapters(order, code), merge=self.config.merge_lora_in_rollout)
         logprobs = replies.logprobs
         if logprobs is None:  # scored per adapter
             logprobs = self._scored(agent, names, prompt_ids, prompt_mask, replies.response_ids, replies.response_mask)

@@ -55,7 +55,7 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def unpadded_decoder_states(
     decoder: nn.Module, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, tail: int | None = None,
-    keep_keys_values: bool = False, adapters: RowAdapters | None = None,
+    keep_keys_values: bool = False,
 ):
     """The decoder's last hidden states of the real tokens of ``ids``, or of its last ``tail`` columns.
 
@@ -71,7 +71,6 @@ def unpadded_decoder_states(
             the last layer then computes its keys and values for every token (attention needs them) but its
             queries, attention output and MLP only there. On a 4-layer model that is a fifth of the work.
         keep_keys_values: also return every layer's keys and values (to decode from, :class:`StaticKVDecoder`).
-        adapters: each of the B rows' LoRA adapter (:class:`RowAdapters`, no gradient); None: the active adapter.
     Returns:
         ``(hidden, real (B, S) bool)``: ``hidden`` holds the final-norm states of the N real tokens in row-major order,
         ``(N, H)`` (``hidden[k]`` is the k-th True of ``real``), or with ``tail`` those of the last columns,
@@ -85,8 +84,6 @@ def unpadded_decoder_states(
     layout.rotary(decoder.rotary_emb, hidden)
     heads = head_counts(decoder.config)
     layers = decoder.layers[: decoder.config.num_hidden_layers]
-    if adapters is not None:
-        layout.adapters = (adapters.gather(layout.flat // S), adapters)  # per real token, per row
     kept = []
     for index, layer in enumerate(layers):
         last_tail = tail if tail is not None and index == len(layers) - 1 else None
@@ -122,8 +119,6 @@ class _RealTokens:
         allowed = keys_real & torch.cat([causal.new_ones(S, C), causal], dim=1)[None, None]  # (B, 1, S, C + S)
         own = torch.cat([causal.new_zeros(S, C), torch.eye(S, dtype=torch.bool, device=mask.device)], dim=1)  # (S, C + S)
         self.allowed = allowed | own[None, None]  # a pad query sees its own (zero) key: no empty softmax row
-        self.adapters: tuple[RowAdapters, RowAdapters] | tuple[None, None] = (None, None)
-        """Each real token's and each row's LoRA adapter (:class:`RowAdapters`), or None: the active adapter."""
 
     def rotary(self, rotary_emb: nn.Module, hidden: torch.Tensor) -> None:
         """The rotary tables ``cos, sin`` ``(N, 1, d)`` of the real tokens (broadcast over heads)."""
@@ -141,10 +136,9 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
     and MLP run on the last ``tail`` columns only and the states come back as ``(B, tail, H)``.
     Returns ``(hidden, (keys, values) of shape (B, kv, C + S, d))``."""
     attn, (n_heads, n_kv, head_dim), B, S = layer.self_attn, heads, layout.B, layout.S
-    by_token, by_row = layout.adapters
     x = layer.input_layernorm(hidden)  # (N, H)
-    k = linear(attn.k_proj, x, by_token).view(-1, n_kv, head_dim)  # (N, kv, d)
-    v = linear(attn.v_proj, x, by_token).view(-1, n_kv, head_dim)
+    k = few_rows_linear(fast_layer(attn.k_proj), x).view(-1, n_kv, head_dim)  # (N, kv, d)
+    v = few_rows_linear(fast_layer(attn.v_proj), x).view(-1, n_kv, head_dim)
     if hasattr(attn, "k_norm"):  # Qwen3: per-head RMS norms before the rotary positions
         k = attn.k_norm(k)
     k = _rotary(k, layout.cos, layout.sin)
@@ -156,12 +150,11 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
         hidden = layout.rows(hidden)[:, S - tail :]  # (B, tail, H) the residual stream there
         # the norm runs again on these rows rather than reusing rows(x): equal values, but another rounding of the
         # reduction (~1e-7) that seeded runs depend on; it costs B·tail rows
-        x_tail = layer.input_layernorm(hidden)
-        q = (attn.q_proj(x_tail) if by_row is None else linear(attn.q_proj, x_tail, by_row)).view(B, tail, n_heads, head_dim)
+        q = attn.q_proj(layer.input_layernorm(hidden)).view(B, tail, n_heads, head_dim)
         q_cos, q_sin = layout.rows(layout.cos)[:, S - tail :], layout.rows(layout.sin)[:, S - tail :]  # (B, tail, 1, d)
         query_mask = layout.allowed[:, :, S - tail :]
     else:
-        q = linear(attn.q_proj, x, by_token).view(-1, n_heads, head_dim)  # (N, h, d)
+        q = few_rows_linear(fast_layer(attn.q_proj), x).view(-1, n_heads, head_dim)  # (N, h, d)
         q_cos, q_sin, query_mask = layout.cos, layout.sin, layout.allowed
     if hasattr(attn, "q_norm"):
         q = attn.q_norm(q)
@@ -171,9 +164,8 @@ def _decoder_layer(layer: nn.Module, hidden: torch.Tensor, layout: _RealTokens, 
         q_rows, k_rows, v_rows, attn_mask=query_mask, scale=attn.scaling, enable_gqa=n_heads != n_kv,
     ).transpose(1, 2)  # (B, S or tail, h, d)
     out = out.reshape(B, tail, n_heads * head_dim) if tail is not None else out.reshape(B * S, n_heads * head_dim)[layout.flat]
-    adapters = by_row if tail is not None else by_token
-    hidden = hidden + linear(attn.o_proj, out, adapters)  # (B, tail, H) or (N, H)
-    hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden), adapters)
+    hidden = hidden + few_rows_linear(fast_layer(attn.o_proj), out)  # (B, tail, H) or (N, H)
+    hidden = hidden + gated_mlp(layer.mlp, layer.post_attention_layernorm(hidden))
     return hidden, (k_rows, v_rows)
 
 
@@ -217,59 +209,45 @@ def fast_layer(module: nn.Module) -> nn.Module:
 
 
 class RowAdapters:
-    """Which LoRA adapter each row of a batch runs through, so that rows of several adapters (two seats' agents, an
-    opponent's snapshots) share one forward: the base weights' products run once for all rows, each adapter's LoRA
-    product on its own rows only (:func:`linear`).
+    """Which LoRA adapter each row of a decode step runs through, so that rows of several adapters (two seats' agents,
+    an opponent's snapshots) share one step: the base weights' products run once for all rows, and each row's LoRA
+    product with its own adapter's factors (:func:`linear`).
 
     Args:
         names: the adapters.
-        code: ``(M,)`` per row of a layer's input, the index of its adapter in ``names``.
-        per_row: multiply by each row's gathered LoRA factors (:meth:`per_row_lora`: two batched products whatever
-            the number of adapters, for the few rows of a decode step); else each adapter's rows apart (a prompt's
-            many tokens, where gathering factors per token would cost more than it saves).
+        code: ``(B,)`` per row, the index of its adapter in ``names``.
     """
 
-    def __init__(self, names: list[str], code: torch.Tensor, per_row: bool = False):
-        self.names, self.code, self.per_row = list(names), code, per_row
-        self.rows = {name: (code == k).nonzero().squeeze(1) for k, name in enumerate(self.names)}  # adapter → (M_a,) rows
-        self._per_row: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}
+    def __init__(self, names: list[str], code: torch.Tensor):
+        self.names, self.code = list(names), code
+        self.rows = {name: (code == k).nonzero().squeeze(1) for k, name in enumerate(self.names)}  # adapter → (B_a,) its rows
+        self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def gather(self, rows: torch.Tensor) -> RowAdapters:
-        """The adapters of the rows ``rows (M',)`` index (e.g. each real token's row)."""
-        return RowAdapters(self.names, self.code[rows])
+    def factors(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's LoRA factors of the peft layer ``module``, ``(Aᵀ (B, in, r), s·Bᵀ (B, r, out))``, gathered once per
+        layer (the weights do not change while the rows are sampled).
 
-    def per_row_lora(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Each row's LoRA factors of ``module``, ``(Aᵀ (M, in, r), s·Bᵀ (M, r, out))``, gathered once per module (the
-        weights do not change while these rows are sampled); None when the adapters differ in rank or one is missing."""
+        Raises:
+            ValueError: an adapter the layer does not carry, or adapters of different ranks."""
         key = id(module)
-        if key not in self._per_row:
+        if key not in self._factors:
             if not all(name in module.lora_A for name in self.names) or len({module.r[name] for name in self.names}) != 1:
-                self._per_row[key] = None
-            else:
-                a = torch.stack([module.lora_A[name].weight.t() for name in self.names])  # (G, in, r)
-                b = torch.stack([module.lora_B[name].weight.t() * module.scaling[name] for name in self.names])  # (G, r, out)
-                self._per_row[key] = (a[self.code], b[self.code])
-        return self._per_row[key]
+                raise ValueError(f"rows of adapters {self.names} share a batch only where every adapted layer carries them all, at one rank")
+            a = torch.stack([module.lora_A[name].weight.t() for name in self.names])  # (G, in, r)
+            b = torch.stack([module.lora_B[name].weight.t() * module.scaling[name] for name in self.names])  # (G, r, out)
+            self._factors[key] = (a[self.code], b[self.code])
+        return self._factors[key]
 
 
 def linear(module: nn.Module, x: torch.Tensor, adapters: RowAdapters | None = None) -> torch.Tensor:
     """``module(x)`` as the forwards here compute it (:func:`fast_layer`, :func:`few_rows_linear`) or, with ``adapters``
-    (no gradient), a peft LoRA layer with each row of ``x (M, ...)`` through its own adapter: the base layer on every
-    row, then each row's ``s·B(A(x))`` added, as peft's forward adds the active adapter's (without dropout: sampling
-    runs in eval mode): with :attr:`RowAdapters.per_row` two batched products with the rows' gathered factors, else
-    each adapter's product on its own rows."""
+    (no gradient), a peft LoRA layer with each row of ``x (B, in)`` through its own adapter: the base layer on every
+    row plus each row's ``s·B(A(x))`` (two batched products with the rows' gathered factors, whatever the number of
+    adapters), as peft's forward adds the active adapter's (without dropout: sampling runs in eval mode)."""
     if adapters is None or not hasattr(module, "lora_A"):
         return few_rows_linear(fast_layer(module), x)
-    out = few_rows_linear(module.get_base_layer(), x)
-    factors = adapters.per_row_lora(module) if adapters.per_row and x.dim() == 2 and len(x) == len(adapters.code) else None
-    if factors is not None:
-        a, b = factors
-        return out.add_(torch.bmm(torch.bmm(x[:, None], a), b)[:, 0])  # (M, 1, in) (M, in, r) (M, r, out) → (M, out)
-    for name, rows in adapters.rows.items():
-        if name in module.lora_A and len(rows):
-            part = x.index_select(0, rows)
-            out.index_add_(0, rows, module.lora_B[name](module.lora_A[name](part)) * module.scaling[name])
-    return out
+    a, b = adapters.factors(module)
+    return few_rows_linear(module.get_base_layer(), x).add_(torch.bmm(torch.bmm(x[:, None], a), b)[:, 0])  # (B, 1, in) (B, in, r) (B, r, out)
 
 
 class StaticKVDecoder:
@@ -288,8 +266,8 @@ class StaticKVDecoder:
 
     def __init__(self, decoder: nn.Module, keys_values, mask: torch.Tensor, max_new_tokens: int, adapters: RowAdapters | None = None):
         self.decoder = decoder
-        self.adapters = None if adapters is None else RowAdapters(adapters.names, adapters.code, per_row=True)
-        """Each row's adapter, its LoRA factors gathered per row once for all the steps."""
+        self.adapters = adapters
+        """Each row's adapter (its LoRA factors gathered once for all the steps), or None: the active adapter."""
         B, W = mask.shape
         self.width = W
         self.keys = [k.new_zeros(B, k.shape[1], W + max_new_tokens, k.shape[3]) for k, _ in keys_values]  # per layer (B, kv, W + L, d)
