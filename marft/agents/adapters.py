@@ -228,12 +228,12 @@ class AdapterBank:
         )
 
     def can_mix(self, adapters) -> bool:
-        """Whether rows of ``adapters`` can share one forward, each row through its own adapter
-        (:func:`marft.agents.unpadded.linear`): every LoRA layer of theirs is a plain (no DoRA or other variant) linear
-        layer, and the input embedding is not adapted (the real-token forward embeds every row alike)."""
+        """Whether rows of ``adapters`` can share one decode step, each row through its own adapter
+        (:func:`marft.agents.unpadded.linear`): every LoRA layer of theirs is a plain linear one (no DoRA or other
+        variant, no LoRA bias), and the input embedding is not adapted (a step embeds every row alike)."""
         if isinstance(self.model.get_input_embeddings(), BaseTunerLayer):
             return False
-        return all(isinstance(layer, LoraLinear) and adapter not in layer.lora_variant
+        return all(isinstance(layer, LoraLinear) and adapter not in layer.lora_variant and not getattr(layer, "lora_bias", {}).get(adapter, False)
                    for adapter in adapters for layer in self.layers_of(adapter))
 
     def merged_if(self, adapter: str, enabled: bool):

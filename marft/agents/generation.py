@@ -282,7 +282,7 @@ class DecodeLoop:
         if adapters is not None and agents is not None:
             header_lengths = torch.tensor([len(self.headers.header_ids[a]) for a in agents.tolist()], device=prompt_mask.device)  # (B,)
             if not (prompt_mask.sum(1) > header_lengths).all():
-                return self._sample_by_adapter(prompt_ids, prompt_mask, agents, adapters)  # a prompt that is only its header
+                return self._sample_by_adapter(prompt_ids, prompt_mask, agents, adapters, merge)  # a prompt that is only its header
         if agents is not None and adapters is None:
             cache, ids, mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)
         if cache is None:
@@ -323,15 +323,17 @@ class DecodeLoop:
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
 
     def _sample_by_adapter(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agents: torch.Tensor,
-                           adapters: RowAdapters) -> SampledReplies:
-        """:meth:`sample_rows` of each adapter's rows as a batch of its own, through that adapter; the rows back in order."""
+                           adapters: RowAdapters, merge: bool) -> SampledReplies:
+        """:meth:`sample_rows` of each adapter's rows as a batch of its own, through that adapter (folded into the base
+        weights with ``merge``); the rows back in order."""
         bank, active = self.headers.bank, self.headers.bank.active
         parts = []
         try:
             for name, rows in adapters.rows.items():
                 if len(rows):
                     bank.route(name)
-                    parts.append((rows, self.sample_rows(prompt_ids[rows], prompt_mask[rows], agents[rows.cpu()])))
+                    with bank.merged_if(name, merge):
+                        parts.append((rows, self.sample_rows(prompt_ids[rows], prompt_mask[rows], agents[rows.cpu()])))
         finally:
             bank.route(active)
         back = torch.argsort(torch.cat([rows for rows, _ in parts]))

@@ -221,33 +221,40 @@ class RowAdapters:
     def __init__(self, names: list[str], code: torch.Tensor):
         self.names, self.code = list(names), code
         self.rows = {name: (code == k).nonzero().squeeze(1) for k, name in enumerate(self.names)}  # adapter → (B_a,) its rows
-        self._factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._factors: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
 
-    def factors(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's LoRA factors of the peft layer ``module``, ``(Aᵀ (B, in, r), s·Bᵀ (B, r, out))``, gathered once per
-        layer (the weights do not change while the rows are sampled).
-
-        Raises:
-            ValueError: an adapter the layer does not carry, or adapters of different ranks."""
+    def factors(self, module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The LoRA factors of the peft layer ``module``, every adapter's side by side, made once per layer (the weights do
+        not change while the rows are sampled): ``(A (in, R), s·B (R, out), own (B, R))``, R the adapters' ranks summed,
+        ``own`` 1 on each row's own adapter's R columns; None when the layer carries none of the adapters. An adapter
+        the layer does not carry adds nothing to its rows, as in peft."""
         key = id(module)
         if key not in self._factors:
-            if not all(name in module.lora_A for name in self.names) or len({module.r[name] for name in self.names}) != 1:
-                raise ValueError(f"rows of adapters {self.names} share a batch only where every adapted layer carries them all, at one rank")
-            a = torch.stack([module.lora_A[name].weight.t() for name in self.names])  # (G, in, r)
-            b = torch.stack([module.lora_B[name].weight.t() * module.scaling[name] for name in self.names])  # (G, r, out)
-            self._factors[key] = (a[self.code], b[self.code])
+            carried = [(k, name) for k, name in enumerate(self.names) if name in module.lora_A]
+            if not carried:
+                self._factors[key] = None
+            else:
+                a = torch.cat([module.lora_A[name].weight.t() for _, name in carried], dim=1)  # (in, R)
+                b = torch.cat([module.lora_B[name].weight.t() * module.scaling[name] for _, name in carried])  # (R, out)
+                block = torch.cat([torch.full((module.r[name],), k, device=a.device) for k, name in carried])  # (R,) each column's adapter
+                self._factors[key] = (a, b, (block[None] == self.code.to(a.device)[:, None]).to(a.dtype))  # own (B, R)
         return self._factors[key]
 
 
 def linear(module: nn.Module, x: torch.Tensor, adapters: RowAdapters | None = None) -> torch.Tensor:
     """``module(x)`` as the forwards here compute it (:func:`fast_layer`, :func:`few_rows_linear`) or, with ``adapters``
     (no gradient), a peft LoRA layer with each row of ``x (B, in)`` through its own adapter: the base layer on every
-    row plus each row's ``s·B(A(x))`` (two batched products with the rows' gathered factors, whatever the number of
-    adapters), as peft's forward adds the active adapter's (without dropout: sampling runs in eval mode)."""
+    row plus each row's ``s·B(A(x))``, as peft's forward adds the active adapter's (in the adapters' dtype, without
+    dropout: sampling runs in eval mode). Two products with every adapter's factors side by side, each row keeping its
+    own adapter's columns (:meth:`RowAdapters.factors`), whatever the number of adapters."""
     if adapters is None or not hasattr(module, "lora_A"):
         return few_rows_linear(fast_layer(module), x)
-    a, b = adapters.factors(module)
-    return few_rows_linear(module.get_base_layer(), x).add_(torch.bmm(torch.bmm(x[:, None], a), b)[:, 0])  # (B, 1, in) (B, in, r) (B, r, out)
+    out = few_rows_linear(module.get_base_layer(), x)
+    factors = adapters.factors(module)
+    if factors is None:
+        return out
+    a, b, own = factors
+    return out.add_((((x.to(a.dtype) @ a) * own) @ b).to(out.dtype))  # (B, in) (in, R) → (B, R), own columns only, (R, out)
 
 
 class StaticKVDecoder:

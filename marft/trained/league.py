@@ -5,11 +5,11 @@ member ``b``'s second, and ``a``'s second against ``b``'s first (each through
 :func:`marft.trained.evaluate.evaluate` with ``versus_checkpoint``; against the random player, ``versus_random``).
 Seats rotate over the games (task ``i`` plays seat ``i % 2``), so both members play both seats. In a team game
 (:mod:`marft.envs.textarena.teams`) the pairings are of sides: ``a``'s Village roles against ``b``'s Mafia, and the
-reverse; the game deals the seats. The games rate every
-member with openskill's Plackett-Luce model (a draw or an unfinished game is a tie), replayed in a fixed order, so
-the same games give the same ratings. Written to the output folder: ``league.json`` (members, the win / draw / loss
-counts of every ordered pair, each member's share of games ended by its invalid move, the ratings) and
-``league.png`` (each run's checkpoints: rating against training iteration).
+reverse; the game deals the seats. The games rate every member with openskill's Plackett-Luce model (a draw or an
+unfinished game is a tie), replayed in a fixed order, so the same games give the same ratings. Written to the output
+folder: ``league.json`` (members, the win / draw / loss counts of every ordered pair, each member's share of games
+ended by its invalid move or, in a team game, in which one of its side's players was eliminated for one, the
+ratings) and ``league.png`` (each run's checkpoints: rating against training iteration).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def tally(games: list[dict], roles: list[str], record: Record) -> None:
         record.wins += outcome == "win"
         record.losses += outcome == "loss"
         record.draws += outcome not in ("win", "loss")
-        record.invalid += any(role in game["invalid_roles"] for role in roles)
+        invalid = game.get("invalid_roles", [game["invalid_by"]] if game.get("invalid_by") else [])  # older transcripts: invalid_by only
+        record.invalid += any(role in invalid for role in roles)
 
 
 def pairings_of(config) -> list[list[str]]:

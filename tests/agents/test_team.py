@@ -620,3 +620,19 @@ def test_agents_of_one_moment_sample_in_one_batch_as_each_agent_alone(random_mod
         assert together[0].texts != team.act(1, HISTORIES[:2], [[], []]).texts
     team.mix_adapters = False  # one batch per agent: act for each
     assert [o.texts for o in team.act_together(turns)] == [o.texts for o in together]
+
+
+def test_agents_of_one_moment_in_one_batch_on_a_half_precision_model(random_model_dir):
+    """bfloat16 weights under float32 adapters: the moment's agents still share one batch, and their replies are scored
+    with a forward under each row's adapter (half precision samples no log-probs)."""
+    from marft.types import AgentTurns
+
+    team = make_team(random_model_dir, dtype="bfloat16")
+    assert team.mixes_adapter_rows()
+    turns = [AgentTurns(0, HISTORIES[:2], [[], []]), AgentTurns(1, HISTORIES, [[("Reasoner", "hi")], [], []])]
+    together = team.act_together(turns)
+    for turn, out in zip(turns, together):
+        assert out.response_ids.shape == (len(turn.histories), team.config.max_new_tokens) and len(out.texts) == len(turn.histories)
+        rescored = team.response_logprobs(team.agent_adapters[turn.agent], out.prompt_ids, out.prompt_mask, out.response_ids, out.response_mask,
+                                          agents=torch.full((len(turn.histories),), turn.agent)).logprobs
+        assert torch.isfinite(out.logprobs).all() and torch.equal(out.logprobs, rescored)

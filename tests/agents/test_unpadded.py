@@ -217,8 +217,9 @@ def test_checking_for_the_end_every_few_steps_samples_the_same_replies(random_mo
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_decode_steps_of_rows_of_several_adapters_equal_each_adapters_own_steps(arch):
-    """:class:`RowAdapters`: the rows of one static-cache decode step, each through its own LoRA adapter (all-linear
-    and the output layer), give what each adapter's rows give stepped on their own (float32 rounding)."""
+    """:class:`RowAdapters`: the rows of one static-cache decode step, each through its own LoRA adapter, give what each
+    adapter's rows give stepped on their own (float32 rounding): adapters of different ranks, one of them on fewer
+    layers (a layer without a row's adapter adds nothing to it)."""
     from peft import LoraConfig, get_peft_model
 
     from marft.agents.unpadded import RowAdapters, StaticKVDecoder, linear
@@ -227,7 +228,7 @@ def test_decode_steps_of_rows_of_several_adapters_equal_each_adapters_own_steps(
     base = AutoModelForCausalLM.from_config(CONFIGS[arch], attn_implementation="sdpa").float()
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])
     model = get_peft_model(base, lora, adapter_name="one")
-    model.add_adapter("two", lora)
+    model.add_adapter("two", LoraConfig(r=2, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "lm_head"]))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -255,3 +256,30 @@ def test_decode_steps_of_rows_of_several_adapters_equal_each_adapters_own_steps(
         model.set_adapter("one")  # the rows of "two" through "one": another result, so the check above is not vacuous
         other = StaticKVDecoder(decoder, kept, mask, 2)
         assert not torch.allclose(head(other.step(ids[:, 0], positions[:, -1] + 1))[rows.rows["two"]], stepped[0][rows.rows["two"]], atol=1e-3)
+
+
+def test_rows_of_several_adapters_on_a_half_precision_model():
+    """peft keeps LoRA weights in float32 over a bfloat16 base: a row's LoRA product runs in the adapters' dtype and is
+    added in the base's, as peft's forward does it."""
+    from peft import LoraConfig, get_peft_model
+
+    from marft.agents.unpadded import RowAdapters, linear
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(CONFIGS["qwen2"], attn_implementation="sdpa").to(torch.bfloat16)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]), adapter_name="one", autocast_adapter_dtype=True)
+    model.add_adapter("two", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    layer = model.get_base_model().get_decoder().layers[0].self_attn.q_proj
+    with torch.no_grad():
+        for name in ("one", "two"):
+            layer.lora_B[name].weight.normal_(0.0, 0.3)
+    model.eval()
+    assert layer.lora_A["one"].weight.dtype == torch.float32 and layer.base_layer.weight.dtype == torch.bfloat16
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    rows = RowAdapters(["one", "two"], torch.tensor([1, 0, 1]))
+    with torch.no_grad():
+        mixed = linear(layer, x, rows)
+        assert mixed.dtype == torch.bfloat16
+        for name, picked in rows.rows.items():
+            model.set_adapter(name)
+            torch.testing.assert_close(mixed[picked], layer(x[picked]), atol=2e-2, rtol=2e-2)

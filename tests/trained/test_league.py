@@ -32,18 +32,24 @@ def test_members_and_their_refusals(tmp_path):
         league_members([RANDOM, str(tmp_path / "nothing")])
 
 
-@pytest.mark.slow
-def test_a_league_of_a_self_play_runs_checkpoints_and_the_random_player(random_model_dir, tmp_path):
+def league_of_a_run(model_dir: str, tmp_path, env_name: str, profile: str, horizon: int):
+    """A short self-play run (APPO, a checkpoint every iteration), then the league of its checkpoints and the random
+    player, 2 games per pairing: ``(league.json, the league's folder)``."""
     run = tmp_path / "run"
-    code = train(["--model_name_or_path", random_model_dir, "--env_name", "textarena:TicTacToe-v0", "--profile_path", "game_seats",
+    code = train(["--model_name_or_path", model_dir, "--env_name", env_name, "--profile_path", profile,
                   "--algorithm_name", "APPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent",
-                  "--max_new_tokens", "4", "--context_window", "1024", "--n_rollout_threads", "2", "--horizon", "3",
-                  "--episode_length", "3", "--num_env_steps", "12", "--save_interval", "1", "--eval_episodes", "2",
+                  "--max_new_tokens", "4", "--context_window", "1024", "--n_rollout_threads", "2", "--horizon", str(horizon),
+                  "--episode_length", str(horizon), "--num_env_steps", "12", "--save_interval", "1", "--eval_episodes", "2",
                   "--n_eval_threads", "2", "--output_dir", str(run)])
     assert code == 0
     out = tmp_path / "league"
     assert marft(["eval", "--league", str(run), RANDOM, "--episodes", "2", "--output_dir", str(out)]) == 0
-    result = json.loads((out / "league.json").read_text())
+    return json.loads((out / "league.json").read_text()), out
+
+
+@pytest.mark.slow
+def test_a_league_of_a_self_play_runs_checkpoints_and_the_random_player(random_model_dir, tmp_path):
+    result, out = league_of_a_run(random_model_dir, tmp_path, "textarena:TicTacToe-v0", "game_seats", horizon=3)
     checkpoints = [f"run/steps_{i}" for i in (1, 2)]
     assert result["members"] == checkpoints + [RANDOM] and set(result["ratings"]) == set(result["members"])
     for a in result["members"]:
@@ -69,16 +75,8 @@ def test_a_league_of_a_self_play_runs_checkpoints_and_the_random_player(random_m
 def test_a_team_games_league_pairs_sides(random_model_dir, tmp_path):
     """SecretMafia: each pair plays one member's Village against the other's Mafia and the reverse; the second member's
     adapters play its side (loaded from its checkpoint), and the games are charged by side."""
+    result, out = league_of_a_run(random_model_dir, tmp_path, "textarena:SecretMafia-v0", "secret_mafia", horizon=6)
     run = tmp_path / "run"
-    code = train(["--model_name_or_path", random_model_dir, "--env_name", "textarena:SecretMafia-v0", "--profile_path", "secret_mafia",
-                  "--algorithm_name", "APPO", "--credit_assignment", "own_turns", "--critic_mode", "per_agent",
-                  "--max_new_tokens", "4", "--context_window", "1024", "--n_rollout_threads", "2", "--horizon", "6",
-                  "--episode_length", "6", "--num_env_steps", "12", "--save_interval", "1", "--eval_episodes", "2",
-                  "--n_eval_threads", "2", "--output_dir", str(run)])
-    assert code == 0
-    out = tmp_path / "league"
-    assert marft(["eval", "--league", str(run), RANDOM, "--episodes", "2", "--output_dir", str(out)]) == 0
-    result = json.loads((out / "league.json").read_text())
     assert result["members"] == ["run/steps_1", RANDOM]
     mine, theirs = result["matrix"][f"run/steps_1 vs {RANDOM}"], result["matrix"][f"{RANDOM} vs run/steps_1"]
     assert mine["wins"] + mine["draws"] + mine["losses"] == 4 and (mine["wins"], mine["losses"]) == (theirs["losses"], theirs["wins"])
