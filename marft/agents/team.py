@@ -65,6 +65,17 @@ def agent_adapter_names(profile: Sequence, config: ModelConfig, with_critic: boo
     return policies, [CRITIC_ADAPTER] * len(roles)
 
 
+def forward_positions(mask: torch.Tensor, cached: int, unpadded: bool, header_lengths: Sequence[int]) -> tuple[int, int]:
+    """``(positions, padding)``: the token positions a scoring forward runs through its matrix products, and how many of
+    them are padding. ``mask (B, cached + S)``; ``unpadded``: the rows' pads never reach a matrix product;
+    ``header_lengths``: the distinct role headers the rows sit behind, each run once, left-padded to the longest
+    (``cached`` columns; none: no shared headers)."""
+    positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
+    if unpadded:
+        positions, padding = positions - padding, 0
+    return positions + cached * len(header_lengths), padding + sum(cached - h for h in header_lengths)
+
+
 class AgentTeam(nn.Module):
     """Agents acting on a shared conversation, each through its own adapter, plus a centralized critic.
 
@@ -242,7 +253,8 @@ class AgentTeam(nn.Module):
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.reads_by_layer  # the matrix products skip the rows' pads
-        positions, padding = self._forward_positions(mask, cached, unpadded, agents if cache is not None else None)
+        headers = [len(self.prompts.header_ids[a]) for a in set(agents.tolist())] if cache is not None else []
+        positions, padding = forward_positions(mask, cached, unpadded, headers)
         if unpadded or self.logits_from_states:  # the Llama family (the real-token forward reads states anyway)
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)
             scores = chunked_token_scores(hidden, self.model.get_output_embeddings(), self.sampling.scoring_logits, response_ids,
@@ -259,20 +271,6 @@ class AgentTeam(nn.Module):
             scores = score_tokens(self.sampling.scoring_logits(out_logits[:, :-1]), response_ids, response_mask, with_entropy,
                                   entropy_grad, self.config.top_k)
         return dataclasses.replace(scores, positions=positions, padding=padding)
-
-    def _forward_positions(self, mask: torch.Tensor, cached: int, unpadded: bool, agents: torch.Tensor | None) -> tuple[int, int]:
-        """``(positions, padding)``: the token positions a scoring forward runs through its matrix products, and how
-        many of them are padding. ``mask (B, cached + S)``; ``unpadded``: the rows' pads never reach a matrix
-        product; ``agents (B,)``: the rows sit behind shared role headers, each distinct header run once, left-padded
-        to the longest (None: no shared headers)."""
-        positions, padding = mask[:, cached:].numel(), int((mask[:, cached:] == 0).sum())
-        if unpadded:
-            positions, padding = positions - padding, 0
-        if agents is not None:
-            headers = [self.prompts.header_ids[a] for a in set(agents.tolist())]
-            positions += cached * len(headers)
-            padding += sum(cached - len(h) for h in headers)
-        return positions, padding
 
     @torch.no_grad()
     def sample(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
@@ -299,15 +297,15 @@ class AgentTeam(nn.Module):
         adapter that samples it (an opponent's snapshot, ``--opponent pool:K``) instead of the agent's own; the rows
         are sampled in one batch where the backend mixes adapters (:attr:`DecodeLoop.mixes_adapters`), else as one
         batch per adapter, and the replies come back in the rows' order."""
-        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private, heads)
-        names = [self.agent_adapters[agent]] * len(prompt_ids) if adapters is None else list(adapters)
-        if len(names) != len(prompt_ids):
-            raise ValueError(f"{len(names)} adapters for {len(prompt_ids)} rows")
+        names = [self.agent_adapters[agent]] * len(histories) if adapters is None else list(adapters)
+        if len(names) != len(histories):
+            raise ValueError(f"{len(names)} adapters for {len(histories)} rows")
         groups = {name: [row for row, n in enumerate(names) if n == name] for name in dict.fromkeys(names)}
+        if len(groups) > 1 and self.mixes_adapter_rows(groups):
+            return self.act_together([AgentTurns(agent, histories, earlier_turns, private, heads, names)])[0]
+        prompt_ids, prompt_mask = self.encode_prompts(agent, histories, earlier_turns, private, heads)
         if len(groups) == 1:
             response_ids, response_mask, logprobs, engine = self._replies(names[0], prompt_ids, prompt_mask, agent)
-        elif self.mixes_adapter_rows(groups):
-            response_ids, response_mask, logprobs, engine = self._mixed_replies(names, prompt_ids, prompt_mask, agent)
         else:
             parts = [self._replies(name, prompt_ids[rows], prompt_mask[rows], agent) for name, rows in groups.items()]
             back = torch.argsort(torch.tensor([row for rows in groups.values() for row in rows], device=prompt_ids.device))
@@ -327,7 +325,7 @@ class AgentTeam(nn.Module):
         :meth:`act` per agent. Returns one :class:`TurnOutput` per item, as :meth:`act` gives it."""
         names = [list(t.adapters) if t.adapters is not None else [self.agent_adapters[t.agent]] * len(t.histories) for t in turns]
         order = list(dict.fromkeys(n for rows in names for n in rows))
-        if len(turns) == 1 or not self.mixes_adapter_rows(order):
+        if not self.mixes_adapter_rows(order) or (len(turns) == 1 and len(order) == 1):
             return [self.act(t.agent, t.histories, t.earlier_turns, t.private, t.heads, t.adapters) for t in turns]
         encoded = [self.encode_prompts(t.agent, t.histories, t.earlier_turns, t.private, t.heads) for t in turns]
         for (ids, _), rows in zip(encoded, names):
@@ -368,16 +366,6 @@ class AgentTeam(nn.Module):
         :attr:`mix_adapters` says so."""
         names = list(adapters) if adapters is not None else self.policy_adapters
         return self.mix_adapters and getattr(self.backend, "mixes_adapters", False) and self.bank.can_mix(names)
-
-    def _mixed_replies(self, names: list[str], prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int):
-        """:meth:`_replies` of rows of several adapters (``names``: each row's) sampled as one batch."""
-        order = list(dict.fromkeys(names))
-        code = torch.tensor([order.index(n) for n in names], device=self.device)
-        replies = self.backend.sample(prompt_ids, prompt_mask, agent, adapters=RowAdapters(order, code), merge=self.config.merge_lora_in_rollout)
-        logprobs = replies.logprobs
-        if logprobs is None:  # scored per adapter
-            logprobs = self._scored(agent, names, prompt_ids, prompt_mask, replies.response_ids, replies.response_mask)
-        return replies.response_ids, replies.response_mask, logprobs, None
 
     def _replies(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int):
         """``(response_ids, response_mask, logprobs, engine_logprobs or None)`` of ``adapter``'s replies to agent

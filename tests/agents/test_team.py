@@ -536,15 +536,15 @@ def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_
     team.mix_adapters = one_batch
     histories = HISTORIES * 2
     adapters = ["snapshot", team.agent_adapters[0], team.agent_adapters[0], "snapshot", team.agent_adapters[0], "snapshot"]
-    calls, sample = [], team.backend.sample
-    team.backend.sample = lambda *args, **kwargs: calls.append(kwargs.get("adapters")) or sample(*args, **kwargs)
+    calls, sample_rows = [], team.backend.sample_rows
+    team.backend.sample_rows = lambda *args, **kwargs: calls.append(args[3] if len(args) > 3 else kwargs.get("adapters")) or sample_rows(*args, **kwargs)
     mixed = team.act(0, histories, [[]] * 6, adapters=adapters)
     if one_batch:  # each row through its adapter
         assert len(calls) == 1 and calls[0].names == ["snapshot", team.agent_adapters[0]]
     else:
         assert calls == [None, None]
     assert team.bank.active == team.agent_adapters[0]  # the header runs routed each adapter in turn, then back
-    team.backend.sample = sample
+    team.backend.sample_rows = sample_rows
     for name in set(adapters):
         rows = [r for r, a in enumerate(adapters) if a == name]
         alone = team.act(0, [histories[r] for r in rows], [[]] * len(rows), adapters=[name] * len(rows))
