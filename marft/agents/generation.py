@@ -224,18 +224,21 @@ class DecodeLoop:
         """As :meth:`_static_cache_steps` for rows of several ``adapters``: each adapter's prompts (behind their role
         headers) run as a batch of their own through that adapter (folded into the base weights with ``merge``, as
         one agent's batch runs), their keys and values then join one static cache (left-padded to the longest), and
-        every step runs all rows, each through its adapter (:class:`RowAdapters`). Rows stay in their order."""
+        every step runs all rows, each through its adapter (:class:`RowAdapters`). Rows stay in their order; an adapter
+        whose prompts are only their role header runs them whole (nothing would follow a shared header)."""
         bank, B, parts, active = self.headers.bank, len(prompt_ids), [], self.headers.bank.active
         try:
             for name, rows in adapters.rows.items():
                 if len(rows):
                     bank.route(name)
                     with bank.merged_if(name, merge):
-                        cache, ids, mask = (self.headers.rows_behind_headers(agents[rows.cpu()], prompt_ids[rows], prompt_mask[rows])
-                                            if agents is not None else (None, prompt_ids[rows], prompt_mask[rows]))
-                        cache = cache if cache is not None else DynamicCache(config=model.config)
-                        positions, cached = position_ids_from_mask(mask), cache.get_seq_length()
-                        parts.append((rows, mask, *self._prefill(model, cache, ids[:, cached:], mask, positions[:, cached:])))
+                        whole = (DynamicCache(config=model.config), prompt_ids[rows], prompt_mask[rows])
+                        cache, ids, mask = self.headers.rows_behind_headers(agents[rows.cpu()], *whole[1:]) if agents is not None else whole
+                        prefilled = self._prefill(model, *self._behind(model, cache, ids, mask))
+                        if prefilled is None:  # a prompt that is only its header
+                            cache, ids, mask = whole
+                            prefilled = self._prefill(model, *self._behind(model, cache, ids, mask))
+                        parts.append((rows, mask, *prefilled))
         finally:
             bank.route(active)
         width = max(mask.shape[1] for _, mask, _, _ in parts)
@@ -248,6 +251,14 @@ class DecodeLoop:
                 keys[rows, :, width - k.shape[2]:], values[rows, :, width - v.shape[2]:] = k, v
         static, lm_head = StaticKVDecoder(model.get_decoder(), joined, joined_mask, self.settings.max_new_tokens, adapters), model.get_output_embeddings()
         return logits, lambda t, ids, positions: linear(lm_head, static.step(ids[:, 0], positions[:, 0]), adapters).float()
+
+    @staticmethod
+    def _behind(model, cache, ids: torch.Tensor, mask: torch.Tensor):
+        """``(cache, step_ids, mask, step_positions)``: the columns of ``ids (B, W)`` that ``cache`` (None: an empty one)
+        does not hold yet, with their pad-aware positions."""
+        cache = cache if cache is not None else DynamicCache(config=model.config)
+        cached = cache.get_seq_length()
+        return cache, ids[:, cached:], mask, position_ids_from_mask(mask)[:, cached:]
 
     def _transformers_steps(self, model, cache, step_ids: torch.Tensor, mask: torch.Tensor, step_positions: torch.Tensor):
         """Each step a forward of the transformers model on its growing cache: as :meth:`_static_cache_steps`."""
@@ -279,18 +290,10 @@ class DecodeLoop:
         cache, ids, mask = None, prompt_ids, prompt_mask
         if adapters is not None and not self.mixes_adapters:
             raise ValueError("rows of several adapters in one batch need the real-token forward (--unpadded_forward, a Llama-family model)")
-        if adapters is not None and agents is not None:
-            header_lengths = torch.tensor([len(self.headers.header_ids[a]) for a in agents.tolist()], device=prompt_mask.device)  # (B,)
-            if not (prompt_mask.sum(1) > header_lengths).all():
-                return self._sample_by_adapter(prompt_ids, prompt_mask, agents, adapters, merge)  # a prompt that is only its header
         if agents is not None and adapters is None:
             cache, ids, mask = self.headers.rows_behind_headers(agents, prompt_ids, prompt_mask)
-        if cache is None:
-            cache = DynamicCache(config=model.config)
-        cached = cache.get_seq_length()
-        positions = position_ids_from_mask(mask)  # (B, W)
-        step_ids, step_positions = ids[:, cached:], positions[:, cached:]  # prefill: what the cache does not hold yet
-        next_position = positions[:, -1:] + 1  # (B, 1)
+        cache, step_ids, mask, step_positions = self._behind(model, cache, ids, mask)  # prefill: what the cache does not hold yet
+        next_position = position_ids_from_mask(mask)[:, -1:] + 1  # (B, 1)
         response_ids = torch.full((B, L), s.pad_id, dtype=torch.long, device=prompt_ids.device)  # (B, L)
         logprobs = torch.zeros((B, L), dtype=torch.float32, device=prompt_ids.device)  # (B, L)
         unfinished = torch.ones(B, dtype=torch.bool, device=prompt_ids.device)  # (B,)
@@ -321,25 +324,3 @@ class DecodeLoop:
             next_position = next_position + 1
         response_mask = reply_mask(response_ids, s.eos_id, generated)
         return SampledReplies(response_ids, response_mask, logprobs * response_mask if self.logprobs_from_generate else None, s)
-
-    def _sample_by_adapter(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agents: torch.Tensor,
-                           adapters: RowAdapters, merge: bool) -> SampledReplies:
-        """:meth:`sample_rows` of each adapter's rows as a batch of its own, through that adapter (folded into the base
-        weights with ``merge``); the rows back in order."""
-        bank, active = self.headers.bank, self.headers.bank.active
-        parts = []
-        try:
-            for name, rows in adapters.rows.items():
-                if len(rows):
-                    bank.route(name)
-                    with bank.merged_if(name, merge):
-                        parts.append((rows, self.sample_rows(prompt_ids[rows], prompt_mask[rows], agents[rows.cpu()])))
-        finally:
-            bank.route(active)
-        back = torch.argsort(torch.cat([rows for rows, _ in parts]))
-
-        def joined(field: str) -> torch.Tensor | None:
-            pieces = [getattr(part, field) for _, part in parts]
-            return None if pieces[0] is None else torch.cat(pieces)[back]
-
-        return SampledReplies(joined("response_ids"), joined("response_mask"), joined("logprobs"), self.settings)

@@ -36,6 +36,16 @@ def pick_rows(tensor: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (one_hot @ tensor.flatten(1)).view(len(rows), *tensor.shape[1:])
 
 
+def joined_batches(batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], pad_id: int):
+    """Prompt batches of several agents, ``(agent, prompt_ids (B_n, P_n), prompt_mask (B_n, P_n))`` each, as one batch
+    left-padded to the widest: ``(ids (ΣB, P), mask (ΣB, P), agents (ΣB,) each row's agent)``, rows in the order given."""
+    width = max(ids.shape[1] for _, ids, _ in batches)
+    ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=pad_id) for _, ids, _ in batches])  # (ΣB, P)
+    mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in batches])  # (ΣB, P)
+    agents = torch.cat([torch.full((len(ids),), agent, dtype=torch.long) for agent, ids, _ in batches])  # (ΣB,)
+    return ids, mask, agents
+
+
 def select_rows(cache, rows: torch.Tensor) -> None:
     """Row b of every layer's keys/values becomes row ``rows[b]`` of the cache (:func:`pick_rows`). (n, ...) → (B, ...).
     Without gradients the cache's own selection (which also picks any other per-row state its layers keep)."""
@@ -212,10 +222,7 @@ class RoleHeaderCache:
         prompt encoder writes them (``[pads][header][rest]``).
         Returns :meth:`rows_behind_headers` of their rows in the order given.
         """
-        width = max(ids.shape[1] for _, ids, _ in batches)
-        ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for _, ids, _ in batches])  # (ΣB, P)
-        mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, _, mask in batches])  # (ΣB, P)
-        agents = torch.cat([torch.full((len(ids),), agent, dtype=torch.long) for agent, ids, _ in batches])  # (ΣB,)
+        ids, mask, agents = joined_batches(batches, self.pad_id)
         return self.rows_behind_headers(agents, ids, mask, by_layer)
 
     @property

@@ -38,7 +38,7 @@ from marft.agents.adapters import AdapterBank, adapter_name_for
 from marft.agents.backends import make_backend
 from marft.agents.critic import CRITIC_ADAPTER, Critic
 from marft.agents.generation import GenerationBackend, SampledReplies, SamplingSettings
-from marft.agents.headers import RoleHeaderCache, position_ids_from_mask
+from marft.agents.headers import RoleHeaderCache, joined_batches, position_ids_from_mask
 from marft.agents.prompts import PromptEncoder
 from marft.agents.reply_scores import chunked_token_scores, score_tokens
 from marft.agents.unpadded import RowAdapters, logits_from_last_states
@@ -273,13 +273,17 @@ class AgentTeam(nn.Module):
         return dataclasses.replace(scores, positions=positions, padding=padding)
 
     @torch.no_grad()
-    def sample(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None) -> SampledReplies:
+    def sample(self, adapter: str, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, agent: int | None = None,
+               agents: torch.Tensor | None = None) -> SampledReplies:
         """Replies sampled by the generation backend through ``adapter`` (``agent``: the prompts are that agent's,
-        so a backend may run its role header once for the batch); with ``--merge_lora_in_rollout`` (float32)
-        the adapter is folded into the base weights meanwhile (:meth:`AdapterBank.merged`)."""
+        so a backend may run its role header once for the batch; ``agents (B,)``: each row's agent, prompts of several
+        agents in one batch, :meth:`DecodeLoop.sample_rows`); with ``--merge_lora_in_rollout`` (float32) the adapter
+        is folded into the base weights meanwhile (:meth:`AdapterBank.merged`)."""
         self.bank.route(adapter)
         fold = self.config.merge_lora_in_rollout and getattr(self.backend, "uses_team_forward", True)
         with self.bank.merged_if(adapter, fold):
+            if agents is not None:
+                return self.backend.sample_rows(prompt_ids, prompt_mask, agents)
             return self.backend.sample(prompt_ids, prompt_mask, agent)
 
     @torch.no_grad()
@@ -331,14 +335,9 @@ class AgentTeam(nn.Module):
         for (ids, _), rows in zip(encoded, names):
             if len(rows) != len(ids):
                 raise ValueError(f"{len(rows)} adapters for {len(ids)} rows")
-        width = max(ids.shape[1] for ids, _ in encoded)
-        prompt_ids = torch.cat([nn.functional.pad(ids, (width - ids.shape[1], 0), value=self.pad_id) for ids, _ in encoded])  # (ΣB, P)
-        prompt_mask = torch.cat([nn.functional.pad(mask, (width - mask.shape[1], 0)) for _, mask in encoded])
-        agents = torch.cat([torch.full((len(ids),), t.agent, dtype=torch.long) for t, (ids, _) in zip(turns, encoded)])  # (ΣB,)
+        prompt_ids, prompt_mask, agents = joined_batches([(t.agent, ids, mask) for t, (ids, mask) in zip(turns, encoded)], self.pad_id)
         if len(order) == 1:  # one adapter (--shared_lora): folded into the base weights, as act samples
-            self.bank.route(order[0])
-            with self.bank.merged_if(order[0], self.config.merge_lora_in_rollout):
-                replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents)
+            replies = self.sample(order[0], prompt_ids, prompt_mask, agents=agents)
         else:
             code = torch.tensor([order.index(n) for rows in names for n in rows], device=self.device)
             replies = self.backend.sample_rows(prompt_ids, prompt_mask, agents, RowAdapters(order, code), merge=self.config.merge_lora_in_rollout)

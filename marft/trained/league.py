@@ -79,12 +79,11 @@ def play_pair(a: Path, b: Path | None, pairings: list[list[str]], episodes: int,
     for index, opponent_roles in enumerate(pairings):
         where, versus = out / f"{index}", ",".join(opponent_roles)
         if b is None:
-            summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_random=versus)
+            evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_random=versus)
         else:
-            summary = evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_checkpoint=b, versus_role=versus)
+            evaluate(a, episodes=episodes, seed=seed, output_dir=where, progress=False, versus_checkpoint=b, versus_role=versus)
         transcripts = [json.loads(line) for line in (where / "transcripts.jsonl").read_text().splitlines() if line.strip()]
-        own_roles = [role for role in transcripts[0]["outcome_by_role"] if role not in opponent_roles] if transcripts else []
-        tally(transcripts, own_roles or [summary["games"]["role"]], mine)  # a's roles in these games
+        tally(transcripts, [role for roles in pairings for role in roles if role not in opponent_roles], mine)  # a's roles
         tally(transcripts, opponent_roles, theirs)
     return mine, theirs
 
@@ -98,8 +97,7 @@ def tally(games: list[dict], roles: list[str], record: Record) -> None:
         record.wins += outcome == "win"
         record.losses += outcome == "loss"
         record.draws += outcome not in ("win", "loss")
-        invalid = game.get("invalid_roles", [game["invalid_by"]] if game.get("invalid_by") else [])  # older transcripts: invalid_by only
-        record.invalid += any(role in invalid for role in roles)
+        record.invalid += any(role in game["invalid_roles"] for role in roles)
 
 
 def pairings_of(config) -> list[list[str]]:

@@ -557,10 +557,11 @@ def test_rows_sampled_by_other_adapters_come_back_in_order_as_each_adapters_own_
         team.act(0, histories, [[]] * 6, adapters=["snapshot"] * 2)
 
 
-@pytest.mark.parametrize("backend", ["decode_loop_by_adapter", "generate"])
-def test_rows_of_several_adapters_without_one_batch_are_sampled_per_adapter(random_model_dir, backend):
-    """Where rows of several adapters cannot share a batch (transformers' generate; in decode_loop a prompt that is
-    only its role header) each adapter's rows are a batch of their own, with the same greedy replies."""
+@pytest.mark.parametrize("backend", ["decode_loop_header_only_prompt", "generate"])
+def test_rows_of_several_adapters_in_the_edge_cases_reply_as_each_adapters_own_batch(random_model_dir, backend):
+    """Rows of several adapters give each adapter's own greedy replies where a shared header cannot serve (decode_loop,
+    a prompt that is only its role header: that adapter's prompts run whole) and where the backend cannot mix them
+    (transformers' generate: a batch per adapter)."""
     team = make_team(random_model_dir, generation_backend="generate" if backend == "generate" else "decode_loop")
     team.bank.add_frozen_copies({team.agent_adapters[0]: "snapshot"})
     with torch.no_grad():
@@ -569,7 +570,7 @@ def test_rows_of_several_adapters_without_one_batch_are_sampled_per_adapter(rand
                 p.normal_(0.0, 0.5)
     team.set_top_k(1)
     adapters = ["snapshot", team.agent_adapters[0], "snapshot"]
-    if backend == "decode_loop_by_adapter":
+    if backend == "decode_loop_header_only_prompt":
         from marft.agents.unpadded import RowAdapters
 
         ids, mask = team.encode_prompts(0, HISTORIES, [[]] * 3)
