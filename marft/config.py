@@ -194,6 +194,8 @@ class AlgoConfig:
     """Upper clip range of the PPO ratio (DAPO's clip-higher; None: clip_param)."""
     value_clip_param: float = 0.2
     """Value clip range around the rollout values (0: no value clipping)."""
+    values_in_update: bool = True
+    """Value the rollout's turns by the update's own first critic forward instead of a critic forward of their own during the rollout, where that is exact and holds no more memory than the update may: one minibatch per epoch (the first epoch's forward then covers every turn before any critic step, and its value clipping compares the values with themselves), no --lora_dropout (the rollout's values have none), one process, and every turn the rollout can hold fitting one chunk of the update's budget (--max_chunk_tokens / --max_chunk_mib, not 0). One critic forward per iteration fewer (its time moves from charts/rollout_seconds to charts/advantages_seconds); values, advantages and updates equal the other way's to float32 rounding. false: the rollout values every turn, as before."""
     use_huber_loss: bool = False
     """Use a Huber value loss instead of the squared error."""
     huber_delta: float = 10.0

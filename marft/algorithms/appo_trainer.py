@@ -38,13 +38,56 @@ class APPOTrainer(PPOTrainer):
         }
         """Per critic adapter (one shared, or one per agent with ``--critic_mode per_agent``), its optimizer."""
         self.consecutive_skips.update({critic: 0 for critic in self.critic_optimizers})
+        self.kept_values: dict[str, tuple[float, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+        """Per critic, the loss units of all its turns and, per agent, its rows and their values (in their graph), from
+        :meth:`value_turns`, for this iteration's first critic step."""
 
     @property
     def critic_optimizer(self):
         """The shared critic's optimizer (None with per-agent critics)."""
         return self.critic_optimizers.get(CRITIC_ADAPTER)
 
+    def can_value_in_update(self, turns: int, turn_positions: int) -> bool:
+        """Whether :meth:`value_turns` is exact and holds no more memory than the update may (``--values_in_update``):
+        one minibatch per epoch (the first epoch's forward covers every turn before any critic step), no LoRA
+        dropout (the rollout's values have none), one process, and ``turns`` (all a rollout can hold) of
+        ``turn_positions`` each (prompt, and reply at the token level) within one chunk's budget
+        (:attr:`chunk_tokens`; none set: no)."""
+        cfg, budget = self.config, self.chunk_tokens
+        return (cfg.values_in_update and cfg.num_mini_batch == 1 and self.team.config.lora_dropout == 0
+                and not self.dist.enabled and budget is not None and turns * turn_positions <= budget)
+
     def compute_advantages(self, buffer: RolloutBuffer) -> None:
+        """The turns' values first, where the update gives them (:attr:`values_in_update`), then the advantages
+        (:meth:`estimate_advantages`)."""
+        if self.values_in_update:
+            self.value_turns(buffer)
+        self.estimate_advantages(buffer)
+
+    def value_turns(self, buffer: RolloutBuffer) -> None:
+        """Each critic runs the first update epoch's forward now, with its gradient, over all the turns it values, one
+        agent's turns at a time (so each role header runs once, as in the update). The values go into the buffer
+        (detached) for the advantages; the forwards are kept, graphs and all, for the first epoch's value loss
+        (:meth:`update_critic`). Before any critic step the update's values are the rollout's, so the rollout need
+        not run the critic on its turns at all."""
+        self.kept_values = {}
+        for critic in self.critic_optimizers:
+            agents = self.team.critic.agents_of(critic)
+            samples = buffer.critic_samples(self.token_level, agents)
+            if len(samples) == 0:
+                continue
+            self.team.set_active(critic, trainable=True)
+            (minibatch,) = self._minibatches(samples, 1)  # the first epoch's draw: later draws stay those of the update without this
+            chunks = [rows for rows in ((samples.agent == agent).nonzero().squeeze(1) for agent in agents) if len(rows)]
+            kept = [(rows, self.critic_values(samples.rows(rows).trimmed(self.team.device), critic)) for rows in chunks]
+            values = torch.zeros(samples.response_mask.shape if self.token_level else (len(samples),))  # (B, L) or (B,)
+            for rows, chunk_values in kept:
+                values[(rows, slice(0, chunk_values.shape[1])) if self.token_level else rows] = chunk_values.detach().float().cpu()
+            buffer.set_critic_values(values, self.token_level, agents)
+            self.kept_values[critic] = (minibatch.units, kept)
+        self.team.set_active(None)
+
+    def estimate_advantages(self, buffer: RolloutBuffer) -> None:
         """Action level: GAE along the agent chain, one advantage per reply (``own_turns``: along each agent's own
         chain of turns, for self-play)."""
         cfg = self.config
@@ -62,10 +105,14 @@ class APPOTrainer(PPOTrainer):
         credits = buffer_credits(buffer, cfg.credit_assignment, cfg.credit_discount)
         return chain_rewards(credits, cfg.gamma, played=buffer.played, layers=buffer.layer)
 
-    def value_loss(self, mb: TurnBatch, critic: str | None = None) -> torch.Tensor:
-        """Clipped value loss of the prompt values under ``critic`` (default: the shared one)."""
+    def critic_values(self, mb: TurnBatch, critic: str | None = None) -> torch.Tensor:
+        """``critic``'s values (default: the shared one's) of the minibatch's prompts, (B,)."""
+        return self.team.critic.values(mb.prompt_ids, mb.prompt_mask, agent=mb.agent, critic=critic)
+
+    def value_loss(self, mb: TurnBatch, critic: str | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Clipped value loss of the prompt ``values`` (default: :meth:`critic_values` under ``critic``)."""
         cfg = self.config
-        values = self.team.critic.values(mb.prompt_ids, mb.prompt_mask, agent=mb.agent, critic=critic)  # (B,)
+        values = self.critic_values(mb, critic) if values is None else values  # (B,)
         return clipped_value_loss(values, mb.values, mb.returns, cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
 
     def update_critics(self, buffer: RolloutBuffer) -> dict[str, float]:
@@ -87,7 +134,11 @@ class APPOTrainer(PPOTrainer):
         params = team.critic.trainable_parameters(critic)
         team.set_active(critic, trainable=True)
         stats = defaultdict(list)
-        for _ in range(cfg.ppo_epoch):
+        kept = self.kept_values.pop(critic, None)
+        for epoch in range(cfg.ppo_epoch):
+            if epoch == 0 and kept is not None:  # the forward value_turns ran: one step on every turn
+                stats["grad_norm"].append(self._kept_values_step(kept, samples, critic, params, stats))
+                continue
             for minibatch in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok, units = True, minibatch.units
                 with self.headers_of_chunks(minibatch):
@@ -112,6 +163,21 @@ class APPOTrainer(PPOTrainer):
             f"{critic}/grad_norm": _nanmean(stats["grad_norm"]),
             f"{critic}/explained_variance": float(explained),
         }
+
+    def _kept_values_step(self, kept, samples: TurnBatch, critic: str, params, stats) -> float:
+        """The first epoch's step of ``critic`` on the chunks' values :meth:`value_turns` computed (``kept``) for all
+        its turns ``samples`` (whose returns are filled now); returns the gradient norm."""
+        units, chunks = kept
+        loss_ok = True
+        for rows, values in chunks:
+            value_loss = self.value_loss(samples.rows(rows).trimmed(self.team.device), critic, values)
+            loss = self.config.value_loss_coef * value_loss * (self.loss_units(samples, rows) / units)
+            if not torch.isfinite(loss):
+                loss_ok = False
+                break
+            loss.backward()
+            stats["value_loss"].append(value_loss.item())
+        return self._step(self.critic_optimizers[critic], params, loss_ok, critic)
 
     def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor) -> float:
         """``1 - var(returns - values) / var(returns)`` over all processes' entries (1-D each)."""

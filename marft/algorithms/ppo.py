@@ -106,6 +106,9 @@ class PPOTrainer:
     """Whether the team needs a critic (adapter, value head, values in the rollout, its optimizer and checkpoint files)."""
     group_relative = False
     """Whether the runner plays groups of ``group_size`` whole episodes on one task (critic-free GRPO)."""
+    values_in_update = False
+    """Whether the update's first critic forward values the rollout's turns (:meth:`APPOTrainer.value_turns`), not the
+    rollout: the runner sets it where :meth:`APPOTrainer.can_value_in_update` holds (never without a critic)."""
     token_level = False
     """Whether the rollout must value every reply token (MARFT-T) or only each prompt (MARFT-A)."""
 

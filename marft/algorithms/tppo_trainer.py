@@ -22,7 +22,7 @@ from marft.types import TurnBatch
 class TPPOTrainer(APPOTrainer):
     token_level = True
 
-    def compute_advantages(self, buffer: RolloutBuffer) -> None:
+    def estimate_advantages(self, buffer: RolloutBuffer) -> None:
         """Token level: GAE along the agent chain's tokens (``own_turns``: along each agent's own chain of turns, for
         self-play)."""
         cfg = self.config
@@ -66,12 +66,14 @@ class TPPOTrainer(APPOTrainer):
         self.add_reference_kl(token_logp, mb, stats)
         return loss, entropy, stats
 
-    def value_loss(self, mb: TurnBatch, critic: str | None = None) -> torch.Tensor:
-        """Clipped value loss of every real reply token's value under ``critic`` (default: the shared one)."""
+    def critic_values(self, mb: TurnBatch, critic: str | None = None) -> torch.Tensor:
+        """``critic``'s value (default: the shared one's) before every reply token of the minibatch, (B, L), 0 at padding."""
+        return self.team.critic.token_values(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agent=mb.agent, critic=critic)
+
+    def value_loss(self, mb: TurnBatch, critic: str | None = None, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Clipped value loss of every real reply token's ``values`` (default: :meth:`critic_values` under ``critic``)."""
         cfg = self.config
-        values = self.team.critic.token_values(
-            mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, agent=mb.agent, critic=critic
-        )  # (B, L)
+        values = self.critic_values(mb, critic) if values is None else values  # (B, L)
         return clipped_value_loss(
             values, mb.token_values, mb.token_returns, cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta,
             weights=mb.response_mask.float(),

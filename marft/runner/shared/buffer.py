@@ -161,8 +161,7 @@ class RolloutBuffer:
         """Every turn (or the turns of ``agents``, for a per-agent critic) in (step, env, slot) order:
         their agents and prompts with values and returns (token level: also the replies with per-token values and
         returns)."""
-        keep = self.played if agents is None else torch.isin(self.agent, torch.as_tensor(agents, dtype=torch.long))
-        played = keep.flatten()  # (T·E·S,)
+        played = self.critic_rows(agents)  # (T·E·S,)
         if token_level:
             fields = ("agent", "prompt_ids", "prompt_mask", "response_ids", "response_mask", "token_values", "token_returns")
             return TurnBatch(**{name: getattr(self, name).flatten(0, 2)[played] for name in fields})
@@ -173,3 +172,21 @@ class RolloutBuffer:
             values=self.values[:-1].flatten(0, 2)[played],
             returns=self.returns.flatten(0, 2)[played],
         )
+
+    def critic_rows(self, agents: list[int] | None = None) -> torch.Tensor:
+        """``(T·E·S,)`` the flat slots :meth:`critic_samples` takes: every turn, or the turns of ``agents``."""
+        keep = self.played if agents is None else torch.isin(self.agent, torch.as_tensor(agents, dtype=torch.long))
+        return keep.flatten()
+
+    def set_critic_values(self, values: torch.Tensor, token_level: bool = False, agents: list[int] | None = None) -> None:
+        """Store a critic's values of the turns :meth:`critic_samples` returns (same rows, same order): ``(B,)``
+        values of the prompts, or token level ``(B, L')`` values before each reply token (L' ≤ L: the replies
+        trimmed of the batch's all-padding columns; the rest is 0)."""
+        rows = self.critic_rows(agents).nonzero().squeeze(1)  # (B,)
+        values = values.detach().float().cpu()
+        if token_level:
+            flat = self.token_values.view(-1, self.token_values.shape[-1])  # (T·E·S, L), a view
+            flat[rows] = 0.0
+            flat[rows, : values.shape[1]] = values
+        else:
+            self.values[:-1].view(-1)[rows] = values

@@ -40,6 +40,9 @@ class RolloutNeeds:
     ``--credit_assignment own_turns``: groups of one)."""
     group_size: int = 1
     """Envs per task in a round of whole episodes."""
+    turn_values: bool = True
+    """With ``values``: the critic values every turn as it is played (False: the trainer values them after the
+    rollout, :attr:`~marft.algorithms.appo_trainer.APPOTrainer.values_in_update`; the rollout only bootstraps)."""
 
 
 class RolloutCollector:
@@ -111,7 +114,7 @@ class RolloutCollector:
             # 1. the team plays one step on every env, turn by turn (the critic, if any, values each turn)
             played = play_team_step(
                 team, [bases[e] for e in rows], [self.obs[e] for e in rows], [self.envs.private_observations[e] for e in rows],
-                with_values=needs.values, token_values=needs.token_values, adapters=self.opponent_adapters(rows),
+                with_values=needs.values and needs.turn_values, token_values=needs.token_values, adapters=self.opponent_adapters(rows),
             )
             next_slot = np.zeros(len(rows), dtype=np.int64)  # per env, its next turn slot of this step
             for batch in played:

@@ -92,8 +92,13 @@ class Runner:
         """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
         trainer.total_iterations = self.n_iterations  # where --lr_schedule's decay ends
         whole_episodes = trainer.group_relative or config.algo.credit_assignment == "own_turns"
+        if trainer.uses_critic:  # the update's first critic forward values the turns, where it can hold them all
+            positions = team.prompts.max_prompt_len + (config.model.max_new_tokens if trainer.token_level else 0)
+            turns = config.runner.episode_length * envs.n_envs * envs.bases[0].workflow.max_turns_per_step
+            trainer.values_in_update = trainer.can_value_in_update(turns, positions)
         needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=whole_episodes,
-                             group_size=config.algo.group_size if trainer.group_relative else 1)
+                             group_size=config.algo.group_size if trainer.group_relative else 1,
+                             turn_values=not trainer.values_in_update)
         self.collector = RolloutCollector(team, envs, config, needs, self.diagnostics, self.preemption.poll_rollout, dist)
         """Plays the training envs into rollout buffers; holds each env's observation and running return."""
         pool_size = opponent.pool_size(config.algo.opponent)
