@@ -7,7 +7,8 @@ of it is live tensors rather than memory the allocator keeps after torch frees i
 
 Takes ``scripts/benchmark.py``'s flags (its ``iteration`` setup) and runs ``--repeats + 1`` iterations. A thread
 reads the process's resident memory every millisecond and keeps the highest value per phase: ``generate`` (replies
-sampled), ``critic_values`` (rollout values), ``collect`` (the rest of the rollout), ``advantages``,
+sampled), ``critic_values`` (the turns' values: in the rollout, or under ``--values_in_update`` right after it, with their
+gradient, kept until the first critic step), ``collect`` (the rest of the rollout), ``advantages``,
 ``update_critic``, ``update_policy``. ``live_tensor_mib`` counts the CPU tensors reachable after the last rollout,
 ``resident_mib`` the resident memory then. With ``--versus_agents N`` the same command with ``--n_agents N`` runs
 first in a process of its own, and ``extra_model_copies`` is the difference of the two peaks in copies of the other
@@ -112,6 +113,8 @@ def main(argv=None) -> dict:
     team, trainer = runner.team, runner.trainer
     peaks.wrap(team.backend, "sample", "generate")
     peaks.wrap(team.critic, "value_batches", "critic_values")
+    if trainer.values_in_update:  # the turns' values come from the update's first critic forward, after the rollout
+        peaks.wrap(trainer, "value_turns", "critic_values")
     peaks.wrap(trainer, "update_critic", "update_critic")
     peaks.wrap(trainer, "update_policy", "update_policy")
     for i in range(args.repeats + 1):

@@ -71,21 +71,28 @@ class APPOTrainer(PPOTrainer):
         (:meth:`update_critic`). Before any critic step the update's values are the rollout's, so the rollout need
         not run the critic on its turns at all."""
         self.kept_values = {}
-        for critic in self.critic_optimizers:
-            agents = self.team.critic.agents_of(critic)
-            samples = buffer.critic_samples(self.token_level, agents)
-            if len(samples) == 0:
-                continue
-            self.team.set_active(critic, trainable=True)
-            (minibatch,) = self._minibatches(samples, 1)  # the first epoch's draw: later draws stay those of the update without this
-            chunks = [rows for rows in ((samples.agent == agent).nonzero().squeeze(1) for agent in agents) if len(rows)]
-            kept = [(rows, self.critic_values(samples.rows(rows).trimmed(self.team.device), critic)) for rows in chunks]
-            values = torch.zeros(samples.response_mask.shape if self.token_level else (len(samples),))  # (B, L) or (B,)
-            for rows, chunk_values in kept:
-                values[(rows, slice(0, chunk_values.shape[1])) if self.token_level else rows] = chunk_values.detach().float().cpu()
-            buffer.set_critic_values(values, self.token_level, agents)
-            self.kept_values[critic] = (minibatch.units, kept)
-        self.team.set_active(None)
+        try:
+            with self.team.bank.lora_dropout_active():  # the update's forward: gradient checkpointing as the budget counts it
+                for critic in self.critic_optimizers:
+                    self._value_turns_of(buffer, critic)
+        finally:
+            self.team.set_active(None)
+
+    def _value_turns_of(self, buffer: RolloutBuffer, critic: str) -> None:
+        """:meth:`value_turns` of one critic: its forward, values stored, forward kept in :attr:`kept_values`."""
+        agents = self.team.critic.agents_of(critic)
+        samples = buffer.critic_samples(self.token_level, agents)
+        if len(samples) == 0:
+            return
+        self.team.set_active(critic, trainable=True)
+        (minibatch,) = self._minibatches(samples, 1)  # the first epoch's draw: later draws stay those of the update without this
+        chunks = [rows for rows in ((samples.agent == agent).nonzero().squeeze(1) for agent in agents) if len(rows)]
+        kept = [(rows, self.critic_values(samples.rows(rows).trimmed(self.team.device), critic)) for rows in chunks]
+        values = torch.zeros(samples.response_mask.shape if self.token_level else (len(samples),))  # (B, L) or (B,)
+        for rows, chunk_values in kept:
+            values[(rows, slice(0, chunk_values.shape[1])) if self.token_level else rows] = chunk_values.detach().float().cpu()
+        buffer.set_critic_values(values, self.token_level, agents)
+        self.kept_values[critic] = (minibatch.units, kept)
 
     def estimate_advantages(self, buffer: RolloutBuffer) -> None:
         """Action level: GAE along the agent chain, one advantage per reply (``own_turns``: along each agent's own
@@ -116,29 +123,34 @@ class APPOTrainer(PPOTrainer):
         return clipped_value_loss(values, mb.values, mb.returns, cfg.value_clip_param, cfg.use_huber_loss, cfg.huber_delta)
 
     def update_critics(self, buffer: RolloutBuffer) -> dict[str, float]:
-        """The shared critic on every turn, or each agent's critic on its own turns (:meth:`update_critic`)."""
+        """The shared critic on every turn, or each agent's critic on its own turns (:meth:`update_critic`); the steps
+        on :meth:`value_turns`' kept forwards come first, so no critic's kept graph lives through another's epochs."""
+        samples = {critic: buffer.critic_samples(self.token_level, self.team.critic.agents_of(critic)) for critic in self.critic_optimizers}
+        stats = {critic: defaultdict(list) for critic in samples}
+        first_done = set(self.kept_values)
+        for critic, kept in self.kept_values.items():  # every kept forward's step first: none is held over another critic's epochs
+            self.team.set_active(critic, trainable=True)
+            stats[critic]["grad_norm"].append(self._kept_values_step(kept, samples[critic], critic, stats[critic]))
+        self.kept_values = {}
         metrics = {}
-        for critic in self.critic_optimizers:
-            metrics.update(self.update_critic(buffer.critic_samples(self.token_level, self.team.critic.agents_of(critic)), critic))
+        for critic in samples:
+            metrics.update(self.update_critic(samples[critic], critic, stats[critic], first_epoch_done=critic in first_done))
         return metrics
 
-    def update_critic(self, samples: TurnBatch, critic: str = CRITIC_ADAPTER) -> dict[str, float]:
+    def update_critic(self, samples: TurnBatch, critic: str = CRITIC_ADAPTER, stats: dict | None = None, first_epoch_done: bool = False) -> dict[str, float]:
         """Value-loss epochs of ``critic`` over the turns it values (the centralized critic: every agent's).
 
         A critic of n agents has n times as many turns as one agent; its minibatches are cut into n times as
         many chunks, so a forward/backward chunk holds as many turns as an agent's and peak memory does not
-        grow with the team size. Metrics are tagged ``critic/...`` (shared) or ``critic_<role>/...``."""
+        grow with the team size. Metrics are tagged ``critic/...`` (shared) or ``critic_<role>/...``.
+        ``first_epoch_done``: the first epoch's step already ran on :meth:`value_turns`' forward (its figures in ``stats``)."""
         cfg, team = self.config, self.team
         if self._row_share(samples)[1] == 0:
             return self._skip_update(critic)
         params = team.critic.trainable_parameters(critic)
         team.set_active(critic, trainable=True)
-        stats = defaultdict(list)
-        kept = self.kept_values.pop(critic, None)
-        for epoch in range(cfg.ppo_epoch):
-            if epoch == 0 and kept is not None:  # the forward value_turns ran: one step on every turn
-                stats["grad_norm"].append(self._kept_values_step(kept, samples, critic, params, stats))
-                continue
+        stats = defaultdict(list) if stats is None else stats
+        for _ in range(int(first_epoch_done), cfg.ppo_epoch):
             for minibatch in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
                 loss_ok, units = True, minibatch.units
                 with self.headers_of_chunks(minibatch):
@@ -164,9 +176,9 @@ class APPOTrainer(PPOTrainer):
             f"{critic}/explained_variance": float(explained),
         }
 
-    def _kept_values_step(self, kept, samples: TurnBatch, critic: str, params, stats) -> float:
-        """The first epoch's step of ``critic`` on the chunks' values :meth:`value_turns` computed (``kept``) for all
-        its turns ``samples`` (whose returns are filled now); returns the gradient norm."""
+    def _kept_values_step(self, kept, samples: TurnBatch, critic: str, stats) -> float:
+        """The first epoch's step of ``critic`` (active and trainable) on the chunks' values :meth:`value_turns`
+        computed (``kept``) for all its turns ``samples`` (whose returns are filled now); returns the gradient norm."""
         units, chunks = kept
         loss_ok = True
         for rows, values in chunks:
@@ -177,7 +189,7 @@ class APPOTrainer(PPOTrainer):
                 break
             loss.backward()
             stats["value_loss"].append(value_loss.item())
-        return self._step(self.critic_optimizers[critic], params, loss_ok, critic)
+        return self._step(self.critic_optimizers[critic], self.team.critic.trainable_parameters(critic), loss_ok, critic)
 
     def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor) -> float:
         """``1 - var(returns - values) / var(returns)`` over all processes' entries (1-D each)."""

@@ -154,7 +154,57 @@ def test_a_training_run_with_values_from_the_update_equals_the_plain_run(random_
             assert turn_values.abs().sum() > 0
             trainer.update(buffer, iteration)
         trained[values_in_update] = weights(team)
+
+    def out_of_memory(buffer):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    trainer.compute_advantages = out_of_memory  # the last runner's: values from the update
+    with pytest.raises(torch.OutOfMemoryError, match="--values_in_update false"):
+        runner._advantages(buffer, 0)
     moved = [name for name in start if not torch.equal(start[name], trained[True][name])]
     assert any("critic" in name for name in moved) and any("critic" not in name and not name.startswith("head.") for name in moved)
     for name in start:
         assert_same_update(trained[True][name], trained[False][name], start[name], name)
+
+
+def saved_bytes_of_value_turns(random_model_dir, **model_flags) -> int:
+    """Bytes the kept forwards of :meth:`value_turns` save for their backward (one APPO rollout of 2 x 4 x 2 turns)."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir, **model_flags)
+    trainer = trainer_class("APPO")(team, AlgoConfig(ppo_epoch=1), steps_per_iteration=8)
+    buffer = fill_buffer(team, trainer=trainer)
+    trainer.values_in_update = True
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.compute_advantages(buffer)
+    trainer.update_critics(buffer)  # the kept forwards backward fine
+    return sum(saved)
+
+
+def test_the_kept_forward_is_checkpointed_under_gradient_checkpointing(random_model_dir):
+    """--gradient_checkpointing lets the budget count one hidden vector per layer and position: the kept forward
+    must save that little too (it runs as the update's forward does), not every layer's activations."""
+    plain = saved_bytes_of_value_turns(random_model_dir)
+    checkpointed = saved_bytes_of_value_turns(random_model_dir, gradient_checkpointing=True)
+    assert checkpointed < 0.5 * plain
+
+
+def test_no_critics_kept_forward_lives_through_another_critics_epochs(random_model_dir):
+    """Per-agent critics, two epochs: every kept forward's step runs before any critic's second epoch draws its
+    minibatches, so at most one epoch's chunk is held beside nothing kept."""
+    torch.manual_seed(0)
+    team = make_team(random_model_dir, critic_mode="per_agent")
+    trainer = trainer_class("APPO")(team, AlgoConfig(ppo_epoch=2), steps_per_iteration=8)
+    trainer.values_in_update = True
+    buffer = fill_buffer(team, trainer=trainer)
+    assert len(trainer.kept_values) == 2
+    held = []
+    original = trainer._minibatches
+    trainer._minibatches = lambda samples, chunks: held.append(len(trainer.kept_values)) or original(samples, chunks)
+    trainer.update_critics(buffer)
+    assert held == [0, 0]  # each critic's second epoch, with no kept forward left

@@ -181,12 +181,13 @@ class RolloutBuffer:
     def set_critic_values(self, values: torch.Tensor, token_level: bool = False, agents: list[int] | None = None) -> None:
         """Store a critic's values of the turns :meth:`critic_samples` returns (same rows, same order): ``(B,)``
         values of the prompts, or token level ``(B, L')`` values before each reply token (L' ≤ L: the replies
-        trimmed of the batch's all-padding columns; the rest is 0)."""
+        trimmed of the batch's all-padding columns; the rest is 0), the first of which is also the prompt's value (0
+        for an empty reply, which takes no action; the token-level advantages read only the token values)."""
         rows = self.critic_rows(agents).nonzero().squeeze(1)  # (B,)
         values = values.detach().float().cpu()
         if token_level:
             flat = self.token_values.view(-1, self.token_values.shape[-1])  # (T·E·S, L), a view
             flat[rows] = 0.0
             flat[rows, : values.shape[1]] = values
-        else:
-            self.values[:-1].view(-1)[rows] = values
+            values = values[:, 0]
+        self.values[:-1].view(-1)[rows] = values

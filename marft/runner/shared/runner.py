@@ -92,10 +92,8 @@ class Runner:
         """Iterations in all, the resumed ones included (a resume recounts them from the env steps left)."""
         trainer.total_iterations = self.n_iterations  # where --lr_schedule's decay ends
         whole_episodes = trainer.group_relative or config.algo.credit_assignment == "own_turns"
-        if trainer.uses_critic:  # the update's first critic forward values the turns, where it can hold them all
-            positions = team.prompts.max_prompt_len + (config.model.max_new_tokens if trainer.token_level else 0)
-            turns = config.runner.episode_length * envs.n_envs * envs.bases[0].workflow.max_turns_per_step
-            trainer.values_in_update = trainer.can_value_in_update(turns, positions)
+        if trainer.uses_critic:
+            choose_values_in_update(trainer, config, envs, dist)
         needs = RolloutNeeds(values=trainer.uses_critic, token_values=trainer.token_level, group_rounds=whole_episodes,
                              group_size=config.algo.group_size if trainer.group_relative else 1,
                              turn_values=not trainer.values_in_update)
@@ -220,6 +218,17 @@ class Runner:
             return "No checkpoint was saved in this run yet (--save_interval saves along the way)."
         return f"The last good checkpoint is {self.last_checkpoint}: resume with --load_path {self.last_checkpoint} (perhaps with a lower --lr)."
 
+    def _advantages(self, buffer: RolloutBuffer, iteration: int) -> None:
+        """``trainer.compute_advantages``, with an OOM error that names ``--values_in_update`` when its forward ran there."""
+        try:
+            self.trainer.compute_advantages(buffer)
+        except torch.OutOfMemoryError as error:
+            if not self.trainer.values_in_update:
+                raise
+            raise torch.OutOfMemoryError(f"out of memory in iteration {iteration + 1} while the update's first critic forward valued the "
+                                         "rollout's turns: run with --values_in_update false, or a smaller --max_chunk_mib / "
+                                         f"--max_chunk_tokens (it applies where all turns fit one chunk) ({error})") from error
+
     def _update(self, buffer: RolloutBuffer, iteration: int) -> dict[str, float]:
         """``trainer.update``, with a stop pointing to the last good checkpoint and OOM errors that say what to change."""
         try:
@@ -293,7 +302,7 @@ class Runner:
             self.trainer.counters[ORCHESTRATOR_INVALID] += invalid
         # 2. advantages: credit per turn, the estimators of the trainer's algorithm
         phase = time.perf_counter()
-        self.trainer.compute_advantages(buffer)
+        self._advantages(buffer, iteration)
         stats.update(self.diagnostics.rollout_stats(buffer, self.trainer.token_level))
         stats["charts/advantages_seconds"] = time.perf_counter() - phase
         # 3. update: the scheduled adapters (and the critic) take their PPO epochs
@@ -376,3 +385,17 @@ class Runner:
         if self.dist.is_main:
             self.log.write_file(self.run_dir / "summary.json", json.dumps(summary, indent=2))
         return summary
+
+
+def choose_values_in_update(trainer, config: TrainConfig, envs, dist: Distributed) -> None:
+    """Whether the update's first critic forward values the rollout's turns (``--values_in_update``): where it holds
+    every turn a rollout can (``episode_length x envs x turn slots``, each of the longest prompt and, at the token
+    level, reply) within one chunk's budget (:meth:`~marft.algorithms.appo_trainer.APPOTrainer.can_value_in_update`).
+    Logged either way."""
+    team = trainer.team
+    positions = team.prompts.max_prompt_len + (config.model.max_new_tokens if trainer.token_level else 0)
+    turns = config.runner.episode_length * envs.n_envs * envs.bases[0].workflow.max_turns_per_step
+    trainer.values_in_update = trainer.can_value_in_update(turns, positions)
+    if dist.is_main:
+        logger.info("the turns' values come from %s", "the update's first critic forward (--values_in_update)" if trainer.values_in_update
+                    else "the rollout (--values_in_update is off or does not apply: see --help)")
