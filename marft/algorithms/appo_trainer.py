@@ -130,7 +130,9 @@ class APPOTrainer(PPOTrainer):
         first_done = set(self.kept_values)
         for critic, kept in self.kept_values.items():  # every kept forward's step first: none is held over another critic's epochs
             self.team.set_active(critic, trainable=True)
-            stats[critic]["grad_norm"].append(self._kept_values_step(kept, samples[critic], critic, stats[critic]))
+            units, chunks = kept
+            loss_ok = self._critic_backward(samples[critic], critic, chunks, units, stats[critic])
+            stats[critic]["grad_norm"].append(self._critic_step(critic, loss_ok))
         self.kept_values = {}
         metrics = {}
         for critic in samples:
@@ -147,23 +149,13 @@ class APPOTrainer(PPOTrainer):
         cfg, team = self.config, self.team
         if self._row_share(samples)[1] == 0:
             return self._skip_update(critic)
-        params = team.critic.trainable_parameters(critic)
         team.set_active(critic, trainable=True)
         stats = defaultdict(list) if stats is None else stats
         for _ in range(int(first_epoch_done), cfg.ppo_epoch):
             for minibatch in self._minibatches(samples, cfg.gradient_cp_steps * len(team.critic.agents_of(critic))):
-                loss_ok, units = True, minibatch.units
-                with self.headers_of_chunks(minibatch):
-                    for chunk in minibatch.chunks:
-                        mb = samples.rows(chunk).trimmed(team.device)
-                        value_loss = self.value_loss(mb, critic)
-                        loss = cfg.value_loss_coef * value_loss * (self.loss_units(samples, chunk) / units)
-                        if not torch.isfinite(loss):
-                            loss_ok = False
-                            break
-                        loss.backward()
-                        stats["value_loss"].append(value_loss.item())
-                stats["grad_norm"].append(self._step(self.critic_optimizers[critic], params, loss_ok, critic))
+                with self.headers_of_chunks(minibatch):  # left (the headers' backward) before the step
+                    loss_ok = self._critic_backward(samples, critic, [(chunk, None) for chunk in minibatch.chunks], minibatch.units, stats)
+                stats["grad_norm"].append(self._critic_step(critic, loss_ok))
         if self.token_level:
             real = samples.response_mask.bool()
             returns, values = samples.token_returns[real], samples.token_values[real]
@@ -176,19 +168,22 @@ class APPOTrainer(PPOTrainer):
             f"{critic}/explained_variance": float(explained),
         }
 
-    def _kept_values_step(self, kept, samples: TurnBatch, critic: str, stats) -> float:
-        """The first epoch's step of ``critic`` (active and trainable) on the chunks' values :meth:`value_turns`
-        computed (``kept``) for all its turns ``samples`` (whose returns are filled now); returns the gradient norm."""
-        units, chunks = kept
-        loss_ok = True
+    def _critic_backward(self, samples: TurnBatch, critic: str, chunks, units: float, stats) -> bool:
+        """The backward of one minibatch of ``samples`` under ``critic`` (active and trainable): per chunk ``(rows,
+        values)`` its value loss, weighted by its share of the minibatch's loss ``units`` (``values``: the kept forward of
+        :meth:`value_turns`, or None to run the critic); the losses go to ``stats``. False: a loss was not finite
+        (the rest is not run, and the step is to be skipped)."""
         for rows, values in chunks:
             value_loss = self.value_loss(samples.rows(rows).trimmed(self.team.device), critic, values)
             loss = self.config.value_loss_coef * value_loss * (self.loss_units(samples, rows) / units)
             if not torch.isfinite(loss):
-                loss_ok = False
-                break
+                return False
             loss.backward()
             stats["value_loss"].append(value_loss.item())
+        return True
+
+    def _critic_step(self, critic: str, loss_ok: bool) -> float:
+        """``critic``'s optimizer step on its accumulated gradient (skipped unless ``loss_ok``); returns the gradient norm."""
         return self._step(self.critic_optimizers[critic], self.team.critic.trainable_parameters(critic), loss_ok, critic)
 
     def _explained_variance(self, returns: torch.Tensor, values: torch.Tensor) -> float:
