@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from marft.agents.prompts import left_pad, right_pad
 from marft.prompting import HOST_ROLE, JUDGE_ROLE, format_problem, format_turn
 from marft.validation import check_fields
 
@@ -194,10 +195,26 @@ def reply_loss(lm, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, 
 
 def reply_nll(team, adapter: str, batch: Sequence[TurnExample], reduction: str = "mean") -> torch.Tensor:
     """Mean negative log-likelihood of the batch's reply tokens under ``adapter`` (temperature 1); ``reduction="none"``:
-    per reply token, in the order of ``[t for e in batch for t in e.reply_ids]``."""
-    ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
+    per reply token, in the order of ``[t for e in batch for t in e.reply_ids]``.
+
+    With ``--share_prompt_openings`` the prompts run as the update runs them: each agent's role header and an opening
+    its prompts share once for the batch (``team.headers``), the rest on its real tokens (``--unpadded_forward``), and
+    the output layer only where a reply token is predicted; the same loss as :func:`reply_loss` of the whole rows
+    (without it), to float32 rounding."""
     team.bank.route(adapter)
-    return reply_loss(team.model.get_base_model(), ids, mask, labels, reduction)
+    headers = team.headers
+    if not headers.share_openings:
+        ids, mask, labels = (t.to(team.device) for t in collate_turns(batch, team.pad_id))
+        return reply_loss(team.model.get_base_model(), ids, mask, labels, reduction)
+    prompt_ids, prompt_mask = left_pad([e.prompt_ids for e in batch], team.pad_id, team.device)  # (B, P)
+    reply_ids, reply_mask = right_pad([e.reply_ids for e in batch], team.pad_id, team.device)  # (B, L)
+    agents = torch.tensor([e.agent for e in batch], dtype=torch.long)  # (B,)
+    cache, prompt_ids, prompt_mask = headers.rows_behind_headers(agents, prompt_ids, prompt_mask, by_layer=headers.reads_by_layer)
+    ids, mask = torch.cat([prompt_ids, reply_ids], dim=1), torch.cat([prompt_mask, reply_mask], dim=1)  # (B, S + L)
+    hidden = headers.decoder_states(cache, ids, mask, tail=reply_ids.shape[1] + 1)[:, :-1]  # (B, L, C): before each reply token
+    scored = reply_mask.bool()  # (B, L)
+    logits = team.model.get_base_model().get_output_embeddings()(hidden[scored])  # (N, V), N reply tokens
+    return torch.nn.functional.cross_entropy(logits.float(), reply_ids[scored], reduction=reduction)
 
 
 def warm_start(team, examples: Sequence[TurnExample], config: SFTConfig, seed: int = 0) -> list[float]:

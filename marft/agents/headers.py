@@ -1,5 +1,7 @@
 """The shared role-header cache: every prompt of agent ``a`` starts with the same role header, so a batch
-of a's prompts runs the header once and shares its keys/values instead of computing them in every row.
+of a's prompts runs the header once and shares its keys/values instead of computing them in every row. With
+``share_openings``, rows whose prompts also open alike after the header (a game's rules) share that opening too
+(:mod:`marft.agents.openings`): the header of such a row is its role header and its group's opening.
 
 Used by the generation backend (rollouts) and the critic (values), through whichever adapter is active.
 """
@@ -15,6 +17,7 @@ import torch.nn as nn
 from transformers import DynamicCache
 
 from marft.agents.adapters import AdapterBank
+from marft.agents.openings import drop_openings, shared_opening
 from marft.agents.prompts import left_pad
 from marft.agents.unpadded import supports_unpadded, unpadded_decoder_states
 
@@ -56,6 +59,10 @@ def select_rows(cache, rows: torch.Tensor) -> None:
         layer.keys, layer.values = pick_rows(layer.keys, rows), pick_rows(layer.values, rows)
 
 
+MEMO_ENTRIES = 16
+"""Inside :meth:`RoleHeaderCache.frozen`: the most header forwards kept for reuse (the oldest goes first)."""
+
+
 class HeaderRows:
     """The keys/values of n role headers and each of B rows' header, read one layer at a time: a forward on the
     real tokens (:func:`~marft.agents.unpadded.unpadded_decoder_states`) forms a layer's ``(B, kv, C, d)`` rows
@@ -93,19 +100,24 @@ class RoleHeaderCache:
         device: where the model runs.
         unpadded_forward: :meth:`decoder_states` runs the linear layers on real tokens only
             (:mod:`marft.agents.unpadded`) where the model supports it.
+        share_openings: rows of one agent whose prompts open alike after the role header run that opening once
+            with the header (:func:`~marft.agents.openings.shared_opening`).
     """
 
-    def __init__(self, bank: AdapterBank, header_ids: Sequence[list[int]], pad_id: int, device, unpadded_forward: bool = False):
+    def __init__(self, bank: AdapterBank, header_ids: Sequence[list[int]], pad_id: int, device, unpadded_forward: bool = False,
+                 share_openings: bool = False):
         self.bank = bank
+        self.share_openings = share_openings
         self.header_ids = list(header_ids)
         self.pad_id = pad_id
         self.device = device
         self.unpadded_forward = unpadded_forward and supports_unpadded(bank.model.get_base_model())
         """Whether :meth:`decoder_states` skips the pads in the linear layers (asked for, and the model supports it)."""
         self.memo: dict | None = None
-        """Inside :meth:`frozen`: role-header keys/values per (adapter, merged adapter, agents); None outside."""
+        """Inside :meth:`frozen`: header keys/values per (adapter, merged adapter, headers), the latest
+        :data:`MEMO_ENTRIES`; None outside. ``headers``: ``(agent, opening ids)`` per header."""
         self.chunk_memo: dict | None = None
-        """Inside :meth:`shared_over_chunks`: per (adapter, merged adapter, agents) the header forward's keys/values
+        """Inside :meth:`shared_over_chunks`: per (adapter, merged adapter, headers) the header forward's keys/values
         (with their graph), the detached copies each chunk used, and the padded header ids and mask; None outside."""
 
     @contextmanager
@@ -145,25 +157,28 @@ class RoleHeaderCache:
         finally:
             self.chunk_memo = None
 
-    def run(self, agents: Sequence[int]):
-        """Run the listed agents' role headers once, through the active adapter, in one forward.
+    def run(self, headers: Sequence[tuple[int, Sequence[int]]]):
+        """Run the listed headers once, through the active adapter, in one forward: ``(agent, opening ids)`` each,
+        that agent's role header followed by the opening (empty: the role header alone).
 
         Returns ``(cache, header_ids (n, Hmax), header_mask (n, Hmax))``, headers left-padded to the
-        longest, or ``(None, ...)`` when no listed agent has a header (anonymous profiles). Inside
-        :meth:`frozen` the result is computed once per adapter and agents.
+        longest, or ``(None, ...)`` when every header is empty (anonymous profiles, no opening). Inside
+        :meth:`frozen` the result is computed once per adapter and headers.
         """
-        agents = tuple(agents)
-        memo_key = (self.bank.active, self.bank.merged_adapter, agents)  # merged weights give (within rounding) other keys/values
+        headers = tuple((agent, tuple(opening)) for agent, opening in headers)
+        memo_key = (self.bank.active, self.bank.merged_adapter, headers)  # merged weights give (within rounding) other keys/values
         if self.memo is not None and memo_key in self.memo:
             cache, header_ids, header_mask = self.memo[memo_key]
             return copy.deepcopy(cache), header_ids, header_mask  # forwards extend the cache they are given
         chunked = self.chunk_memo is not None and torch.is_grad_enabled()
         if not (chunked and memo_key in self.chunk_memo):
-            header_ids, header_mask = left_pad([self.header_ids[a] for a in agents], self.pad_id, self.device)
+            header_ids, header_mask = left_pad([self.header_ids[a] + list(opening) for a, opening in headers], self.pad_id, self.device)
             if header_ids.shape[1] == 0:
                 return None, header_ids, header_mask
             cache = self.forward_headers(header_ids, header_mask)
             if self.memo is not None:
+                if len(self.memo) >= MEMO_ENTRIES:
+                    self.memo.pop(next(iter(self.memo)))  # the oldest
                 self.memo[memo_key] = (copy.deepcopy(cache), header_ids, header_mask)
             if not chunked:
                 return cache, header_ids, header_mask
@@ -231,25 +246,32 @@ class RoleHeaderCache:
         return self.unpadded_forward and self.sharable
 
     def rows_behind_headers(self, agents: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, by_layer: bool = False):
-        """Prompts of several agents, each row re-packed behind its agent's shared role header, in their own order.
+        """Prompts of several agents, each row re-packed behind its agent's shared role header (with
+        :attr:`share_openings`, and the opening its group of rows shares after it), in their own order.
 
         Args: ``agents (B,)``: each row's agent; ``prompt_ids (B, P)``, ``prompt_mask (B, P)`` as the prompt
         encoder writes them (``[pads][header][rest]``); ``by_layer``: return the headers as :class:`HeaderRows`
         (for :meth:`decoder_states` while :attr:`reads_by_layer`), not as a transformers cache of every row.
         Returns ``(cache, ids (B, Hmax + S), mask (B, Hmax + S))``, each row ``[header][pads][rest]``: the cache
-        holds the Hmax header columns (:meth:`run`: one forward for the distinct agents, whatever the number
+        holds the Hmax header columns (:meth:`run`: one forward for the distinct headers, whatever the number
         of rows; its keys/values are indexed per row, so under autograd each header's backward receives the
         summed gradient of its rows), and pad-aware positions from ``mask`` equal those of the unshared rows.
         ``(None, prompt_ids, prompt_mask)`` when nothing can be shared (no headers, prompts that are only their
         header, or not :attr:`sharable`).
         """
-        distinct_agents, header_of_row = agents.unique(return_inverse=True)  # sorted agents; (B,) each row's index into them
-        distinct = distinct_agents.tolist()
-        if not self.sharable or all(len(self.header_ids[a]) == 0 for a in distinct):
+        distinct = agents.unique().tolist()  # sorted agents
+        if not self.sharable or (not self.share_openings and all(len(self.header_ids[a]) == 0 for a in distinct)):
             return None, prompt_ids, prompt_mask
         B, device = len(agents), prompt_ids.device
-        rows_of = [(agents == a).nonzero().squeeze(1).to(device) for a in distinct]  # per distinct agent, its rows
-        rests = [(rows, *self.rests(a, prompt_ids[rows], prompt_mask[rows])) for a, rows in zip(distinct, rows_of)]
+        header_of_row = torch.empty(B, dtype=torch.long, device=device)  # (B,) each row's index into the headers
+        headers, rests = [], []  # (agent, opening) per header; (rows, rest ids, rest mask) per agent
+        for a in distinct:
+            rows = (agents == a).nonzero().squeeze(1).to(device)  # the agent's rows
+            ids, mask = self.rests(a, prompt_ids[rows], prompt_mask[rows])
+            opening = shared_opening(ids, mask, len(self.header_ids[a]), enabled=self.share_openings)
+            header_of_row[rows] = len(headers) + opening.group_of_row.to(device)
+            headers += [(a, ids_of_opening) for ids_of_opening in opening.openings]
+            rests.append((rows, *drop_openings(ids, mask, opening.length, self.pad_id)))
         width = max(ids.shape[1] for _, ids, _ in rests)
         if width == 0:  # prompts that are only their header: nothing would follow the cache
             return None, prompt_ids, prompt_mask
@@ -258,8 +280,9 @@ class RoleHeaderCache:
         for rows, ids, mask in rests:
             rest_ids[rows, width - ids.shape[1]:] = ids
             rest_mask[rows, width - mask.shape[1]:] = mask
-        header_of_row = header_of_row.to(device)
-        cache, header_ids, header_mask = self.run(distinct)
+        cache, header_ids, header_mask = self.run(headers)
+        if cache is None:  # anonymous roles and no shared opening
+            return None, prompt_ids, prompt_mask
         ids = torch.cat([header_ids[header_of_row], rest_ids], dim=1)
         mask = torch.cat([header_mask[header_of_row], rest_mask], dim=1)
         rows = HeaderRows(cache, header_of_row)

@@ -47,6 +47,12 @@ def left_pad(rows: Sequence[list[int]], pad_id: int, device=None) -> tuple[torch
     return ids.to(device), mask.to(device)
 
 
+def right_pad(rows: Sequence[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Id lists, right-padded to the longest (as replies are): ``ids (B, W)`` and ``mask (B, W)`` (1 on real tokens)."""
+    ids, mask = left_pad([row[::-1] for row in rows], pad_id, device)
+    return ids.flip(1), mask.flip(1)
+
+
 class PromptEncoder:
     """Tokenises agents' prompts.
 

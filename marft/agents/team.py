@@ -76,6 +76,13 @@ def forward_positions(mask: torch.Tensor, cached: int, unpadded: bool, header_le
     return positions + cached * len(header_lengths), padding + sum(cached - h for h in header_lengths)
 
 
+def distinct_header_lengths(agents: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, cached: int) -> list[int]:
+    """The real tokens of each distinct header that rows sit behind: the first ``cached`` columns of ``ids (B, W)``
+    and ``mask (B, W)``, told apart by their ids and each row's agent (``agents (B,)``)."""
+    keys = torch.cat([agents[:, None].to(ids.device), ids[:, :cached], mask[:, :cached].to(ids.dtype)], dim=1)  # (B, 1 + 2 cached)
+    return torch.unique(keys, dim=0)[:, 1 + cached:].sum(1).tolist()
+
+
 class AgentTeam(nn.Module):
     """Agents acting on a shared conversation, each through its own adapter, plus a centralized critic.
 
@@ -103,7 +110,8 @@ class AgentTeam(nn.Module):
         self.model = self.bank.model  # registered here, so the team's state_dict holds the adapters
         self._device = base_model.device
         self.prompts = PromptEncoder(tokenizer, self.profile, config.context_window - config.max_new_tokens, config.chat_template)
-        self.headers = RoleHeaderCache(self.bank, self.prompts.header_ids, self.pad_id, self._device, config.unpadded_forward)
+        self.headers = RoleHeaderCache(self.bank, self.prompts.header_ids, self.pad_id, self._device, config.unpadded_forward,
+                                       config.share_prompt_openings)
         self.sampling = SamplingSettings(config.temperature, config.top_k, config.max_new_tokens, self.eos_id, self.pad_id)
         self.backend: GenerationBackend = make_backend(
             config.generation_backend, self.headers, self.sampling, logprobs_from_generate=next(base_model.parameters()).dtype == torch.float32,
@@ -253,7 +261,7 @@ class AgentTeam(nn.Module):
         mask = torch.cat([prompt_mask, response_mask], dim=1)
         cached = 0 if cache is None else cache.get_seq_length()
         unpadded = self.headers.reads_by_layer  # the matrix products skip the rows' pads
-        headers = [len(self.prompts.header_ids[a]) for a in set(agents.tolist())] if cache is not None else []
+        headers = distinct_header_lengths(agents, input_ids, mask, cached) if cache is not None else []
         positions, padding = forward_positions(mask, cached, unpadded, headers)
         if unpadded or self.logits_from_states:  # the Llama family (the real-token forward reads states anyway)
             hidden = self.headers.decoder_states(cache, input_ids, mask, tail=L + 1)  # (B, L + 1, H)

@@ -392,8 +392,10 @@ def test_frozen_headers_reuse_role_headers_and_forbid_training(random_model_dir)
     torch.manual_seed(3)
     with team.headers.frozen():
         frozen = [play_step(team, HISTORIES, private, token_values=True) for _ in range(2)]
-        # (adapter, adapter folded into the base weights, agents): the rollout runs merged (--merge_lora_in_rollout)
-        assert sorted(team.headers.memo) == [("actor", "actor", (1,)), ("critic", "critic", (0, 1)), ("reasoner", "reasoner", (0,))]
+        # (adapter, adapter folded into the base weights, (agent, shared opening) per header): the rollout runs merged
+        # (--merge_lora_in_rollout)
+        memo = sorted((adapter, merged, tuple(agent for agent, _ in headers)) for adapter, merged, headers in team.headers.memo)
+        assert memo == [("actor", "actor", (1,)), ("critic", "critic", (0, 1)), ("reasoner", "reasoner", (0,))]
         with pytest.raises(RuntimeError, match="frozen"):
             team.set_active(team.agent_adapters[0], trainable=True)
     assert team.headers.memo is None

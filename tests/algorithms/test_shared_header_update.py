@@ -87,8 +87,10 @@ def assert_same_gradients(shared, plain):
         ("TPPO", 256, {"critic_mode": "per_agent"}, {"gradient_cp_steps": 2}),
         ("TPPO", 120, {"shared_lora": True}, {"entropy_coef": 0.01}),  # one adapter: rows of three agents behind three headers
         ("GRPO", 256, {}, {"normalization_mode": "token", "kl_coef": 0.1}),
+        ("APPO", 256, {"share_prompt_openings": True}, {"gradient_cp_steps": 2}),  # openings the rows share, too
     ],
-    ids=["appo", "appo_history_cut_entropy_kl", "tppo_per_agent_critics_two_chunks", "tppo_shared_lora_history_cut", "grpo_kl"],
+    ids=["appo", "appo_history_cut_entropy_kl", "tppo_per_agent_critics_two_chunks", "tppo_shared_lora_history_cut", "grpo_kl",
+         "appo_shared_openings_two_chunks"],
 )
 def test_update_with_shared_role_headers_has_the_plain_forwards_gradients(random_model_dir, monkeypatch, algorithm, context_window, model, algo):
     """Policy (with entropy and reference-KL terms) and critic gradients with each header run once per minibatch equal

@@ -32,12 +32,16 @@ def restore(team, saved: dict[str, torch.Tensor]) -> None:
 
 
 def assert_same_update(after: torch.Tensor, expected: torch.Tensor, before: torch.Tensor, name: str) -> None:
-    """``after`` equals ``expected`` within 5 % of the largest move of any weight of the tensor (Adam's steps are about
-    the learning rate whatever the gradient's size, so a weight whose gradient is ~0 may move either way on float32
-    rounding: only such weights differ, by a share of the step)."""
-    step = float((expected - before).abs().max())
-    gap = float((after - expected).abs().max())
-    assert gap <= 0.05 * step + 1e-7, f"{name}: differs by {gap:.3g}, {gap / max(step, 1e-12):.1%} of its step {step:.3g}"
+    """``after`` equals ``expected`` within 1 % of the tensor's whole move (the norm of the difference against the norm
+    of ``expected - before``), and no weight by more than 20 % of the largest move. Adam's steps are about the learning
+    rate whatever the gradient's size, so a weight whose gradient is ~0 may move either way on float32 rounding: only
+    such weights differ, by a share of the step that depends on the machine's float32 sums (7 % on an AMD EPYC where
+    an Intel Xeon gave under 5 %). A skipped or misplaced critic step moves whole tensors (tests below)."""
+    move = float((expected - before).norm())
+    gap = float((after - expected).norm())
+    assert gap <= 0.01 * move + 1e-7, f"{name}: differs by {gap:.3g}, {gap / max(move, 1e-12):.1%} of its move {move:.3g}"
+    step, widest = float((expected - before).abs().max()), float((after - expected).abs().max())
+    assert widest <= 0.2 * step + 1e-7, f"{name}: a weight differs by {widest:.3g}, {widest / max(step, 1e-12):.1%} of the largest step {step:.3g}"
 
 
 @pytest.mark.parametrize("critic_mode", ["shared", "per_agent"])
