@@ -35,8 +35,8 @@ def assert_same_update(after: torch.Tensor, expected: torch.Tensor, before: torc
     """``after`` equals ``expected`` within 1 % of the tensor's whole move (the norm of the difference against the norm
     of ``expected - before``), and no weight by more than 20 % of the largest move. Adam's steps are about the learning
     rate whatever the gradient's size, so a weight whose gradient is ~0 may move either way on float32 rounding: only
-    such weights differ, by a share of the step that depends on the machine's float32 sums (7 % on an AMD EPYC where
-    an Intel Xeon gave under 5 %). A skipped or misplaced critic step moves whole tensors (tests below)."""
+    such weights differ, by a share of the step that depends on the CPU's float32 sums. A skipped or misplaced critic
+    step moves whole tensors."""
     move = float((expected - before).norm())
     gap = float((after - expected).norm())
     assert gap <= 0.01 * move + 1e-7, f"{name}: differs by {gap:.3g}, {gap / max(move, 1e-12):.1%} of its move {move:.3g}"
