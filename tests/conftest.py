@@ -134,3 +134,46 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "slow: an integration test that trains, spawns processes or builds a model (the fast subset: -m 'not slow')"
     )
+
+
+PREBUILT_MODELS = ("marft-tiny", "marft-tiny-instruct")
+"""The embedded models the suite trains on, built in the background while the first tests run (see
+:func:`pytest_collection_finish`)."""
+
+
+def pytest_collection_finish(session):
+    """Build the embedded models the suite needs in a background process at the lowest CPU priority (``nice 19``), so
+    their single-threaded builds (minutes each on a 2-core machine) use the core the many one-thread tests leave
+    idle. A test that needs a model before it is built waits on the build's lock, as any second process does; the
+    build is pinned (one thread, deterministic kernels), so its weights do not depend on what else runs. Nothing is
+    started when the models are cached, when no test was collected, or with ``MARFT_TEST_PREBUILD=0``."""
+    import subprocess
+
+    from marft.models.loading import EMBEDDED_RECIPES
+
+    root = Path(os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
+    missing = [name for name in PREBUILT_MODELS if not (root / f"{name}-{EMBEDDED_RECIPES[name].digest()}").is_dir()]
+    if not missing or not session.items or os.environ.get("MARFT_TEST_PREBUILD", "1") == "0":
+        return
+    code = ("from marft.models.loading import resolve_model_path\n"
+            f"for name in {missing!r}:\n    resolve_model_path(name)\n")
+    session.config._marft_prebuild = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop a background build still running: an interrupt first, which removes its half-built folder as a failed
+    build does, then a kill."""
+    import signal
+    import subprocess
+
+    build = getattr(session.config, "_marft_prebuild", None)
+    if build is None or build.poll() is not None:
+        return
+    os.killpg(build.pid, signal.SIGINT)
+    try:
+        build.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()
