@@ -143,17 +143,18 @@ PREBUILT_MODELS = ("marft-tiny", "marft-tiny-instruct")
 
 def pytest_collection_finish(session):
     """Build the embedded models the suite needs in a background process at the lowest CPU priority (``nice 19``), so
-    their single-threaded builds (minutes each on a 2-core machine) use the core the many one-thread tests leave
+    their single-threaded builds use the core the many one-thread tests leave
     idle. A test that needs a model before it is built waits on the build's lock, as any second process does; the
     build is pinned (one thread, deterministic kernels), so its weights do not depend on what else runs. Nothing is
-    started when the models are cached, when no test was collected, or with ``MARFT_TEST_PREBUILD=0``."""
+    started when the models are cached, when no test was collected or none will run (``--collect-only``), or with
+    ``MARFT_TEST_PREBUILD=0``."""
     import subprocess
 
     from marft.models.loading import EMBEDDED_RECIPES
+    from marft.models.tiny import cached_model_dir
 
-    root = Path(os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
-    missing = [name for name in PREBUILT_MODELS if not (root / f"{name}-{EMBEDDED_RECIPES[name].digest()}").is_dir()]
-    if not missing or not session.items or os.environ.get("MARFT_TEST_PREBUILD", "1") == "0":
+    missing = [name for name in PREBUILT_MODELS if not cached_model_dir(EMBEDDED_RECIPES[name]).is_dir()]
+    if not missing or not session.items or session.config.option.collectonly or os.environ.get("MARFT_TEST_PREBUILD", "1") == "0":
         return
     code = ("from marft.models.loading import resolve_model_path\n"
             f"for name in {missing!r}:\n    resolve_model_path(name)\n")

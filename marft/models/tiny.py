@@ -412,6 +412,13 @@ def _build_in_this_process(path: str, recipe: TinyRecipe) -> str:
     return path
 
 
+def cached_model_dir(recipe: TinyRecipe, cache_dir: str | None = None) -> Path:
+    """Where :func:`ensure_tiny_model` keeps ``recipe``'s build: ``<cache>/<name>-<hash>``, the cache ``cache_dir`` or
+    ``$MARFT_CACHE`` or ``~/.cache/marft``. The folder exists only once the build is complete."""
+    root = Path(cache_dir or os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
+    return root / f"{recipe.name}-{recipe.digest()}"
+
+
 def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recipe: TinyRecipe = TinyRecipe()) -> str:
     """The embedded model's folder, built on first use and cached (two processes never build it twice).
 
@@ -420,9 +427,9 @@ def ensure_tiny_model(cache_dir: str | None = None, rebuild: bool = False, recip
         rebuild: build again even when cached.
         recipe: what to build (its name and hash name the folder; :data:`marft.models.loading.EMBEDDED_RECIPES` holds the shipped ones).
     """
-    root = Path(cache_dir or os.environ.get("MARFT_CACHE") or Path.home() / ".cache" / "marft")
+    final = cached_model_dir(recipe, cache_dir)
+    root = final.parent
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{recipe.name}-{recipe.digest()}"
     with open(root / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the folder built
         if final.is_dir() and not rebuild:

@@ -292,8 +292,8 @@ PARITY_SEEDS = (0, 1, 2)
 """Seeds of the guide's ParityDigitEnv recipe; at least ``PARITY_SEEDS_LEARNING`` of them must learn the condition."""
 PARITY_SEEDS_LEARNING = 2
 PARITY_TIMEOUT_S = 75 * 60
-"""How long the three concurrent seeds may take in all (about 25 minutes on a 2-core machine that reads 1.8 s on
-``../shared/anchor/calibrate.py``): a hung run fails the test instead of the CI's time limit."""
+"""How long the three concurrent seeds may take in all, well above what they take on a slow 2-core machine: a hung
+run fails the test instead of running into CI's time limit."""
 
 
 def parity_recipe_commands(seed: int, folder: Path) -> list[list[str]]:
@@ -316,9 +316,9 @@ def start_parity_seed(seed: int, folder: Path, user_package: Path) -> subprocess
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(user_package), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     script = " && ".join(shlex.join(command) for command in parity_recipe_commands(seed, folder))
-    log = (folder / "log.txt").open("w")
-    return subprocess.Popen(["bash", "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=folder,
-                            start_new_session=True)  # its own process group: a timeout stops the commands, not only bash
+    with (folder / "log.txt").open("w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen(["bash", "-c", script], env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=folder,
+                                start_new_session=True)  # its own process group: a timeout stops the commands, not only bash
 
 
 @pytest.mark.slow
